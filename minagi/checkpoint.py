@@ -1,0 +1,164 @@
+"""Atomic checkpoint save, strict load, and RNG state capture / restore.
+
+A checkpoint is a dict saved with torch.save and read back with torch.load(weights_only=True): only
+tensors and plain containers / numbers / strings, so loading never runs pickled code. The RNG states
+are therefore stored as tensors and plain lists, never as numpy arrays or tuples of foreign types.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "capture_rng_state", "restore_rng_state"]
+
+FORMAT_VERSION = 1
+
+# What torch.load(weights_only=True) accepts that a payload may hold (checked at save time, so a bad
+# payload fails when it is written, not at resume hours later).
+# Scalars by exact type: np.float64 subclasses float yet is refused at load.
+_SCALARS = (str, bytes, int, float, bool, complex, type(None))
+_TORCH_PLAIN = (torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read; one line naming the file."""
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # torch's weights_only refusal is a paragraph; the line naming the refused object is the useful one.
+    named = [ln for ln in lines if ln.startswith("WeightsUnpickler error")]
+    line = (named or lines or [""])[0]
+    return f"{type(e).__name__}: {line}".rstrip(": ")
+
+
+def _check_plain(value: Any, where: str, path: str) -> None:
+    if type(value) in _SCALARS or isinstance(value, _TORCH_PLAIN):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if type(k) not in _SCALARS:
+                raise CheckpointError(f"{path}: payload key {where}[{k!r}] is a {type(k).__name__}; "
+                                      "use str or int keys")
+            _check_plain(v, f"{where}[{k!r}]", path)
+        return
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]", path)
+        return
+    raise CheckpointError(f"{path}: payload {where} holds a {type(value).__module__}.{type(value).__qualname__}, "
+                          "which torch.load(weights_only=True) refuses; store a tensor, list or number instead")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable. Directories cannot be opened on Windows: skip there.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass        # some filesystems (e.g. network mounts) refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str | os.PathLike, payload: dict) -> None:
+    """Write payload (+ format_version) to path atomically: the old file stays whole until the rename.
+
+    Writes <path>.tmp-<pid> beside it, flushes and fsyncs it, os.replace()s it over path, then fsyncs
+    the directory. On any failure (including KeyboardInterrupt) the temp file is removed.
+    """
+    path = Path(path)
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: payload must be a dict, got {type(payload).__name__}")
+    payload = {**payload, "format_version": FORMAT_VERSION}
+    _check_plain(payload, "payload", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """Read a checkpoint written by save_checkpoint; CheckpointError (one line naming the file) for a
+    missing, truncated or corrupt file, a file that is not a minagi checkpoint, or a newer format."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a file (a checkpoint is one .pt file)")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:      # torch raises RuntimeError / UnpicklingError / EOFError / ... here
+        detail = _one_line(e)
+        if "WeightsUnpickler" in detail:
+            raise CheckpointError(f"{path}: not a minagi checkpoint, it holds objects that "
+                                  f"torch.load(weights_only=True) refuses ({detail})") from e
+        raise CheckpointError(f"{path}: cannot read checkpoint, truncated or corrupt ({detail})") from e
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: not a minagi checkpoint (holds a {type(payload).__name__}, not a dict)")
+    version = payload.get("format_version")
+    if version is None:
+        raise CheckpointError(f"{path}: not a minagi checkpoint (no 'format_version' key)")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{path}: not a minagi checkpoint (format_version {version!r} is not a positive int)")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format_version {version} is newer than this code reads "
+                              f"({FORMAT_VERSION}); update minagi to load it")
+    return payload
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG state
+# ----------------------------------------------------------------------------------------------
+
+def capture_rng_state() -> dict:
+    """Python random, numpy's global RandomState, torch CPU and (if available) every CUDA device,
+    as tensors and plain lists so the dict survives torch.load(weights_only=True)."""
+    version, internal, gauss_next = random.getstate()
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": {"bit_generator": str(name), "key": key.tolist(), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of capture_rng_state. CUDA states are restored for as many devices as both the saved
+    state and this machine have; a state saved without CUDA leaves the CUDA generators alone."""
+    missing = [k for k in ("python", "numpy", "torch") if k not in state]
+    if missing:
+        raise CheckpointError(f"rng state lacks {', '.join(map(repr, missing))} (has: {', '.join(map(repr, state))})")
+    version, internal, gauss_next = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state((n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), int(n["pos"]),
+                         int(n["has_gauss"]), float(n["cached_gaussian"])))
+    # map_location may have moved the tensors; the setters want CPU uint8 tensors.
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        saved = [t.cpu() for t in state["cuda"]]
+        for device, t in enumerate(saved[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(t, device)

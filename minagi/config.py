@@ -1,0 +1,487 @@
+"""Strict configuration: one frozen, keyword-only dataclass per component, loaded from TOML.
+
+A profile (``profiles/<name>.toml``) has one table per component -- ``[model]``, ``[data]``,
+``[train]``, ``[memory]`` -- and may carry a top-level ``description = "..."``. Precedence:
+``--set section.key=value`` > profile > dataclass defaults.
+
+Loading is strict (torchtitan's habit): an unknown section or key, a wrong type, a value outside a
+``Literal`` or an impossible value raises :class:`ConfigError`, whose message is ONE line naming
+the source (file or ``--set``) and the dotted key, e.g.
+``profiles/foo.toml: unknown key 'model.n_expert' (valid: ...); did you mean 'n_experts'?``.
+"""
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class ConfigError(ValueError):
+    """A configuration problem. ``str(err)`` is one line; ``err.key`` is the dotted key, if any."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(" ".join(message.splitlines()))  # one line, whatever was interpolated
+        self.key = key
+
+
+# --- value checks shared by __post_init__ and the loader -------------------------------------
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+
+
+def _toml_type(value: Any) -> str:
+    """The TOML name of a parsed value's type, for messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "a table"
+    return f"a {type(value).__name__}"  # TOML dates and times
+
+
+def _fmt(value: Any) -> str:
+    """A value as TOML would spell it, shortened, for one-line messages."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_type(key: str, typ: Any, value: Any) -> Any:
+    """Check ``value`` against a field type; return it with an int widened to float where needed.
+
+    bool is not accepted for int (``isinstance(True, int)`` holds in Python, not in the config).
+    """
+    if typing.get_origin(typ) is Literal:
+        choices = typing.get_args(typ)
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"{key} = {_fmt(value)} is not one of: {', '.join(choices)}", key)
+        return value
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif typ is str:
+        ok = isinstance(value, str)
+    else:  # a field type this checker does not know: a bug in this module, not in the profile
+        raise AssertionError(f"{key}: unsupported field type {typ!r}")
+    if not ok:
+        raise ConfigError(f"{key} = {_fmt(value)} has the wrong type: expected "
+                          f"{_TYPE_NAMES[typ]}, got {_toml_type(value)}", key)
+    if typ is float:
+        try:
+            value = float(value)
+        except OverflowError:  # an int too large for a float
+            value = math.inf
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} = {_fmt(value)} is impossible: must be a finite number", key)
+    return value
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {_fmt(value)} is impossible: {why}", key)
+
+
+class _Section:
+    """Mixin for the component dataclasses: type checks every field, then ``_validate``."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f"{self.section}.{f.name}", f.type, getattr(self, f.name))
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _at_least(self, minimum: float, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            _require(value >= minimum, f"{self.section}.{name}", value, f"must be >= {minimum}")
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            _require(value > 0, f"{self.section}.{name}", value, "must be > 0")
+
+
+# --- the components --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Section):
+    """The char LM: rows of attention + a pooled MoE MLP."""
+
+    section: ClassVar[str] = "model"
+
+    n_rows: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    context: int = 64  # characters per training sequence (and max KV length default)
+    n_experts: int = 8
+    top_k: int = 2
+    d_expert: int = 64  # F, the expert width
+    capacity_factor: float = 0.0  # 0 = uncapped (dropless)
+    dispatch: Literal["auto", "grouped", "native", "rectangle", "loop"] = "auto"
+    balance_coef: float = 0.01  # Switch E*sum f_i P_i
+    z_loss_coef: float = 0.0
+    aux_free_bias: bool = False  # DeepSeek-V3 selection bias
+    bias_update_rate: float = 1e-3
+    sink_ratio: float = 4.0
+    rope_base: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def _validate(self) -> None:
+        self._at_least(1, "n_rows", "d_model", "n_heads", "context", "n_experts", "top_k",
+                       "d_expert")
+        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                 f"must be a multiple of n_heads ({self.n_heads})")
+        _require(self.head_dim % 2 == 0, "model.d_model", self.d_model,
+                 f"head dim d_model // n_heads = {self.head_dim} must be even "
+                 "(RoPE rotates pairs of channels)")
+        _require(self.top_k <= self.n_experts, "model.top_k", self.top_k,
+                 f"top_k must be <= n_experts ({self.n_experts})")
+        self._at_least(0, "capacity_factor", "balance_coef", "z_loss_coef", "bias_update_rate")
+        self._positive("sink_ratio", "rope_base")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(_Section):
+    """Where the characters come from and how many are held out."""
+
+    section: ClassVar[str] = "data"
+
+    path: str = ""  # file, directory or glob; "" = the Python standard library's source files
+    heldout_fraction: float = 0.1
+    cache_dir: str = ""  # "" = ~/.cache/minagi
+
+    def _validate(self) -> None:
+        _require(0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction,
+                 "must be strictly between 0 and 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(_Section):
+    """The optimisation loop, evaluation cadence and run folder."""
+
+    section: ClassVar[str] = "train"
+
+    steps: int = 300
+    batch_size: int = 16  # GLOBAL batch (sequences per optimizer step, all ranks together)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 100  # held-out eval + history record + checkpoint every N steps
+    eval_batches: int = 8
+    seed: int = 1337
+    compile: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    out_dir: str = "runs"
+    run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
+
+    def _validate(self) -> None:
+        self._at_least(1, "steps", "batch_size", "eval_every", "eval_batches")
+        self._positive("lr")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
+                 "must be between 0 and 1")
+        self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "seed")
+        _require(self.warmup_steps <= self.steps, "train.warmup_steps", self.warmup_steps,
+                 f"warmup_steps must be <= steps ({self.steps})")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"train.{name}", value, "must be in [0, 1)")
+        _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63")
+        _require(self.out_dir != "", "train.out_dir", self.out_dir,
+                 "must name a folder (e.g. \"runs\")")
+        _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),
+                 "train.run_name", self.run_name,
+                 "must be a plain folder name inside out_dir (no / or \\)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig(_Section):
+    """Allocator settings; applied by the entry point before the first CUDA allocation."""
+
+    section: ClassVar[str] = "memory"
+
+    alloc_conf: str = ""  # e.g. "expandable_segments:True"
+
+    def _validate(self) -> None:
+        # PyTorch parses "key:value,key:value"; a malformed string only warns (or is ignored)
+        # at the first allocation, long after the run started -- so catch it here.
+        ok = all(re.fullmatch(r"\s*\w+\s*:\s*[^,:\s][^,:]*", item)
+                 for item in self.alloc_conf.split(",")) if self.alloc_conf else True
+        _require(ok, "memory.alloc_conf", self.alloc_conf,
+                 "expected comma-separated name:value pairs, e.g. \"expandable_segments:True\"")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole configuration: one field per component; TOML sections mirror the fields."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, f.type):
+                raise ConfigError(f"config.{f.name} must be a {f.type.__name__}, "
+                                  f"got {type(value).__name__}", f.name)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_TOP_LEVEL_EXTRA = ("description",)  # allowed beside the sections; not part of Config
+
+
+# --- dicts <-> Config -----------------------------------------------------------------------
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """A nested ``{section: {key: value}}`` dict of bool/int/float/str: JSON- and TOML-able."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def _valid_list(names) -> str:
+    return ", ".join(sorted(names))
+
+
+def _hint(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _section_from_dict(name: str, table: Mapping) -> Any:
+    """Build one component from its table; errors are unprefixed (no source) but carry the key."""
+    cls = SECTIONS[name]
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        if key not in types:
+            raise ConfigError(f"unknown key '{name}.{key}' (valid: {_valid_list(types)})"
+                              f"{_hint(key, types)}", f"{name}.{key}")
+        kwargs[key] = _check_type(f"{name}.{key}", types[key], value)
+    return cls(**kwargs)
+
+
+def _from_dict(d: Mapping) -> Config:
+    """config_from_dict without the source prefix (callers add the source they know)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"expected a table of sections, got {_toml_type(d)}")
+    sections = {}
+    for key, value in d.items():
+        if key in _TOP_LEVEL_EXTRA:
+            if not isinstance(value, str):
+                raise ConfigError(f"{key} = {_fmt(value)} has the wrong type: expected a string, "
+                                  f"got {_toml_type(value)}", key)
+            continue
+        if key not in SECTIONS:
+            if isinstance(value, Mapping):
+                raise ConfigError(f"unknown section '[{key}]' (valid: {_valid_list(SECTIONS)})"
+                                  f"{_hint(key, SECTIONS)}", key)
+            owners = [s for s, cls in SECTIONS.items()
+                      if key in {f.name for f in dataclasses.fields(cls)}]
+            where = f"; did you mean '{owners[0]}.{key}' (under [{owners[0]}])?" if owners else ""
+            raise ConfigError(f"unknown top-level key '{key}' (valid: description and the "
+                              f"sections {_valid_list(SECTIONS)}){where}", key)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"'{key}' must be a table [{key}], got {_toml_type(value)}", key)
+        sections[key] = _section_from_dict(key, value)
+    return Config(**sections)
+
+
+def config_from_dict(d: Mapping, source: str = "<dict>") -> Config:
+    """Strictly build a Config from a nested dict; missing sections and keys take the defaults.
+
+    Same checks as a profile file; errors are one line starting with ``source``.
+    """
+    try:
+        return _from_dict(d)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}", err.key) from None
+
+
+# --- profiles ---------------------------------------------------------------------------------
+
+
+def _display(path: Path) -> str:
+    """A path as short as is unambiguous: relative to the working directory when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def available_profiles() -> list[str]:
+    """Names of the profiles shipped in ``profiles/``."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def resolve_profile(name_or_path: str) -> Path:
+    """A path to an existing file, else ``profiles/<name>.toml``, else ConfigError listing names."""
+    given = Path(name_or_path)
+    if given.is_file():
+        return given
+    stem = name_or_path[:-len(".toml")] if name_or_path.endswith(".toml") else name_or_path
+    candidate = PROFILES_DIR / f"{stem}.toml"
+    if "/" not in stem and "\\" not in stem and candidate.is_file():
+        return candidate
+    raise ConfigError(f"unknown profile '{name_or_path}': no such file and no "
+                      f"{_display(candidate)} (available: {', '.join(available_profiles())})")
+
+
+def _read_profile(path: Path) -> dict:
+    source = _display(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: invalid TOML: {err}") from None
+
+
+def profile_description(name_or_path: str) -> str:
+    """The profile's optional top-level ``description`` ("" when absent)."""
+    path = resolve_profile(name_or_path)
+    data = _read_profile(path)
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise ConfigError(f"{_display(path)}: description = {_fmt(description)} has the wrong "
+                          f"type: expected a string, got {_toml_type(description)}", "description")
+    return description
+
+
+# --- --set overrides --------------------------------------------------------------------------
+
+_KEY_RE = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> (section, key, checked value). Errors name ``--set section.key``.
+
+    The value is read as a TOML value (``20000``, ``3e-4``, ``true``, ``"text"``). A string field
+    also takes the raw text when it is not a TOML string, so ``data.path=~/corpus.txt`` and
+    ``train.run_name=2024-01-01`` work unquoted.
+    """
+    key, eq, raw = item.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not eq or not _KEY_RE.fullmatch(key):
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=20000")
+    section, name = key.split(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"--set {key}: unknown section '{section}' (valid: "
+                          f"{_valid_list(SECTIONS)}){_hint(section, SECTIONS)}", key)
+    types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+    if name not in types:
+        raise ConfigError(f"--set {key}: unknown key '{key}' (valid: {_valid_list(types)})"
+                          f"{_hint(name, types)}", key)
+    typ = types[name]
+    try:
+        parsed = tomllib.loads(f"v = {raw}")
+        ok = list(parsed) == ["v"]  # "1\nw = 2" would smuggle in a second key
+    except tomllib.TOMLDecodeError:
+        ok = False
+    is_string_field = typ is str or typing.get_origin(typ) is Literal
+    if is_string_field:
+        value = parsed["v"] if ok and isinstance(parsed["v"], str) else raw
+    elif ok:
+        value = parsed["v"]
+    else:
+        expected = _TYPE_NAMES.get(typ, "a value")
+        raise ConfigError(f"--set {key}: cannot read {raw!r} as {expected} (values are TOML: "
+                          "20000, 3e-4, true, \"text\")", key)
+    try:
+        return section, name, _check_type(key, typ, value)
+    except ConfigError as err:
+        raise ConfigError(f"--set {key}: {err}", key) from None
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """Apply ``--set section.key=value`` items in order (a later one wins) and re-validate.
+
+    An impossible combination (``top_k`` above a newly set ``n_experts``) is blamed on the
+    ``--set`` of that key, else on the ``--set`` items of the same section.
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]  # one "a.b=c" would otherwise be iterated character by character
+    d = config_to_dict(cfg)
+    set_keys: list[str] = []
+    for item in overrides:
+        section, name, value = _parse_override(item)
+        d[section][name] = value
+        set_keys.append(f"{section}.{name}")
+    try:
+        return _from_dict(d)
+    except ConfigError as err:
+        culprits = ([err.key] if err.key in set_keys else
+                    [k for k in set_keys if err.key and k.split(".")[0] == err.key.split(".")[0]]
+                    or set_keys)
+        raise ConfigError(f"--set {', '.join(dict.fromkeys(culprits))}: {err}", err.key) from None
+
+
+def load_config(profile: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the profile (a name in profiles/ or a .toml path; None = none), then --set.
+
+    The profile must be valid on its own; --set items are checked exactly like the file.
+    """
+    cfg = Config()
+    if profile is not None:
+        path = resolve_profile(profile)
+        cfg = config_from_dict(_read_profile(path), source=_display(path))
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        # JSON string escapes are TOML basic-string escapes; TOML also wants DEL escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)  # int, or a finite float ("0.001", "1e-05": both valid TOML)
+
+
+def config_to_toml(cfg: Config, description: str = "") -> str:
+    """The whole resolved config as a TOML profile (loads back to an equal Config)."""
+    lines = [f"description = {_toml_value(description)}"] if description else []
+    for section, table in config_to_dict(cfg).items():
+        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"

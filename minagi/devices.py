@@ -1,0 +1,132 @@
+"""Device choice, allocator configuration, autocast and memory figures for the training loop.
+
+`apply_alloc_conf` is the one place under minagi/ that writes the environment (besides the
+torchrun rank helper): the caching allocator reads its settings from an environment variable,
+once, at the first CUDA allocation, so there is no other way to hand them over in time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import warnings
+
+import torch
+
+__all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "autocast", "choose_device", "device_name",
+           "memory_stats", "rss_bytes"]
+
+# REFERENCE.md §6: current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
+# ROCm builds PYTORCH_HIP_ALLOC_CONF. Setting a name a given build does not read is harmless, and
+# the same value under every name means whichever the build reads first, it gets the one we meant.
+_GENERIC, _CUDA, _HIP = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not usable here (one line, says what to set instead)."""
+
+
+def alloc_conf_env_names() -> list[str]:
+    """The environment variables the running torch may read its allocator settings from."""
+    names = [_GENERIC, _CUDA]
+    if torch.version.hip:  # ROCm builds: the HIP name is the one older ROCm torch reads
+        names.append(_HIP)
+    return names
+
+
+def apply_alloc_conf(alloc_conf: str) -> list[str]:
+    """Hand `memory.alloc_conf` to the caching allocator; returns the variables set.
+
+    Must run before the first CUDA allocation (train.py calls it before building anything).
+    An empty setting leaves the environment alone, so a user's own variable still applies.
+    """
+    if not alloc_conf:
+        return []
+    if sys.platform == "win32" and "expandable_segments" in alloc_conf:
+        warnings.warn("memory.alloc_conf: expandable_segments is ignored by PyTorch on Windows",
+                      stacklevel=2)
+    if torch.cuda.is_initialized():
+        # The allocator has already parsed its settings; a late variable would silently do nothing.
+        warnings.warn(f"memory.alloc_conf={alloc_conf!r} set after CUDA was initialised; "
+                      "it may not take effect", stacklevel=2)
+    names = alloc_conf_env_names()
+    for name in names:
+        old = os.environ.get(name)
+        if old is not None and old != alloc_conf:
+            warnings.warn(f"memory.alloc_conf replaces {name}={old!r} from the environment",
+                          stacklevel=2)
+        os.environ[name] = alloc_conf
+    return names
+
+
+def choose_device(requested: str) -> torch.device:
+    """train.device: 'auto' = CUDA (or ROCm, through torch.cuda) when present, else CPU."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    available = torch.cuda.is_available()
+    if requested == "cuda":
+        if not available:
+            build = "a CPU-only build" if torch.version.cuda is None and not torch.version.hip else "this machine"
+            raise DeviceError(f"train.device=cuda but no CUDA device is available ({build} of torch "
+                               f"{torch.__version__}); use train.device=cpu or auto")
+        return torch.device("cuda")
+    if requested == "auto":
+        return torch.device("cuda" if available else "cpu")
+    raise DeviceError(f"train.device must be auto, cpu or cuda; got {requested!r}")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:  # Linux names the CPU model here; platform.processor() is often empty there
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on the GPU; plain fp32 on the CPU (CPU bf16 is slow and changes the golden run)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process now (Linux /proc), else its peak (getrusage); None if neither."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (AttributeError, OSError):  # pragma: no cover - platforms without getrusage
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def memory_stats(device: torch.device, reset_peak: bool = True) -> dict:
+    """Allocator figures since the last reset (None on the CPU) and the process resident memory.
+
+    Keys match the history fields. Peaks are per interval: they are reset after reading.
+    """
+    out = {"mem_allocated": None, "mem_reserved": None, "mem_peak_allocated": None,
+           "mem_peak_reserved": None, "alloc_retries": None, "ooms": None}
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        out.update(mem_allocated=s.get("allocated_bytes.all.current", 0),
+                   mem_reserved=s.get("reserved_bytes.all.current", 0),
+                   mem_peak_allocated=s.get("allocated_bytes.all.peak", 0),
+                   mem_peak_reserved=s.get("reserved_bytes.all.peak", 0),
+                   alloc_retries=s.get("num_alloc_retries", 0),
+                   ooms=s.get("num_ooms", 0))
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+    out["rss_bytes"] = rss_bytes()
+    return out

@@ -1,0 +1,303 @@
+"""Dispatch and combine for PooledMLP: sort routed rows by expert, run the experts, put results back.
+
+Every path computes the same function; they differ only in how rows are padded:
+  loop      — one expert at a time, no padding. The readable reference.
+  native    — torch's grouped GEMM on the packed rows, no padding, offsets stay on the device.
+  grouped   — experts grouped by load rounded with `_bucket`; one bmm pair per group.
+  rectangle — every expert padded to the busiest one's load (the old path; one bmm pair).
+
+Shape legend:
+  N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows,
+  P padded rows (grouped / rectangle), G experts in a group, C a group's capacity.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PATHS = ("grouped", "native", "rectangle", "loop")
+
+# torch >= 2.10 exposes F.grouped_mm; 2.8-2.9 only torch._grouped_mm. Both take (a_2D, b_3D, offs=int32).
+GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+# On CUDA the SwiGLU-and-gate elementwise work runs as one fused kernel each way (torch.compile
+# through Triton): eager it is five passes over [R, F] that cost about as much as the matmuls.
+# Set False to measure the eager version.
+FUSE_ELEMENTWISE_ON_CUDA: bool = importlib.util.find_spec("triton") is not None
+
+
+def _bucket(n: int) -> int:
+    """Round a load up: powers of two up to 128, then multiples of 128 (few allocator sizes)."""
+    if n <= 0:
+        return 0
+    if n <= 128:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 128) * 128
+
+
+def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs (fast) for this device and compute dtype.
+
+    CUDA: the CUTLASS kernel needs sm90+ and bf16 (elsewhere torch loops per group with a host
+    sync). CPU: torch runs it eagerly in fp32/bf16 (a per-group loop, correct but not fast).
+    """
+    if GROUPED_MM is None:
+        return False
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return False
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Turn the configured dispatch choice into a concrete path, once, when the model is built.
+
+    `auto` takes native grouped GEMM where it is fast (CUDA sm90+, bf16) and the bucketed bmm path
+    everywhere else (ROCm, older GPUs, CPU). An explicit `native` that cannot run is an error.
+    """
+    device = torch.device(device)
+    if choice == "auto":
+        return "native" if device.type == "cuda" and native_supported(device, dtype) else "grouped"
+    if choice not in PATHS:
+        raise ValueError(f"dispatch must be one of auto, {', '.join(PATHS)}; got {choice!r}")
+    if choice == "native" and GROUPED_MM is None:
+        raise ValueError(f"dispatch = 'native' needs torch.nn.functional.grouped_mm or torch._grouped_mm; "
+                         f"torch {torch.__version__} has neither (use 'grouped')")
+    return choice
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Sorting, counts and capacity of one call, computed once and shared by dispatch and combine."""
+    order_R: Tensor          # flat routed-row ids (into [N*K]) sorted by expert, stable
+    inverse_R: Tensor        # position of each flat routed row in the sorted order
+    token_R: Tensor          # the character of each sorted row
+    expert_R: Tensor         # the expert of each sorted row (non-decreasing)
+    counts_E: Tensor         # routed rows per expert, before capacity (int64)
+    starts_E: Tensor         # first sorted position of each expert
+    kept_R: Tensor | None    # sorted row is inside its expert's capacity (None: uncapped)
+    capacity: int            # 0 = uncapped
+    n_chars: int
+    top_k: int
+
+    @property
+    def kept_counts_E(self) -> Tensor:
+        return self.counts_E if self.capacity == 0 else self.counts_E.clamp(max=self.capacity)
+
+
+def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0) -> DispatchPlan:
+    n_chars, top_k = expert_ids_NK.shape
+    flat_R = expert_ids_NK.reshape(-1)
+    order_R = torch.argsort(flat_R, stable=True)  # stable: earlier characters win capacity
+    expert_R = flat_R[order_R]
+    counts_E = torch.bincount(flat_R, minlength=n_experts)
+    starts_E = counts_E.cumsum(0) - counts_E
+    inverse_R = torch.empty_like(order_R)
+    inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+    kept_R = None
+    if capacity > 0:
+        position_R = torch.arange(flat_R.numel(), device=flat_R.device) - starts_E[expert_R]
+        kept_R = position_R < capacity
+    return DispatchPlan(order_R=order_R, inverse_R=inverse_R, token_R=order_R // top_k, expert_R=expert_R, counts_E=counts_E,
+                        starts_E=starts_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k)
+
+
+def _take(x: Tensor, index: Tensor, masked: bool) -> Tensor:
+    """x[index] along dim 0; rows where index < 0 are zero (only looked for when `masked`)."""
+    if not masked:
+        return x.index_select(0, index)
+    out = x.index_select(0, index.clamp(min=0))
+    return out.masked_fill_((index < 0).view(-1, *[1] * (x.dim() - 1)), 0)
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = x[index] whose backward is a gather too: grad_x = grad[inverse].
+
+    Valid when every row of x feeds at most one output row (a permutation, or padding that reads a
+    row whose output is never used). Torch's own index_select backward is an index_add: atomics,
+    which serialise when many padding rows point at one row.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, index_masked: bool, inverse_masked: bool):
+        ctx.save_for_backward(inverse)
+        ctx.inverse_masked = inverse_masked
+        return _take(x, index, index_masked)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _take(grad.contiguous(), inverse, ctx.inverse_masked), None, None, None, None
+
+
+def gather_rows(x: Tensor, index: Tensor, inverse: Tensor, index_masked: bool = False,
+                inverse_masked: bool = False) -> Tensor:
+    return _GatherRows.apply(x, index, inverse, index_masked, inverse_masked)
+
+
+class _DispatchRows(torch.autograd.Function):
+    """Each character copied to its K routed rows, in expert order; backward sums the K copies back."""
+
+    @staticmethod
+    def forward(ctx, x_ND, token_R, inverse_R, top_k: int):
+        ctx.save_for_backward(inverse_R)
+        ctx.top_k = top_k
+        return x_ND.index_select(0, token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (inverse_R,) = ctx.saved_tensors
+        grad_NKD = grad_RD.contiguous().index_select(0, inverse_R).view(-1, ctx.top_k, grad_RD.shape[-1])
+        return grad_NKD.sum(1), None, None, None
+
+
+def dispatch(x_ND: Tensor, plan: DispatchPlan) -> Tensor:
+    """Rows of x in expert order: [R, D]."""
+    return _DispatchRows.apply(x_ND, plan.token_R, plan.inverse_R, plan.top_k)
+
+
+def sorted_gates(gates_NK: Tensor, plan: DispatchPlan, dtype: torch.dtype) -> Tensor:
+    """Each sorted row's gate [R]; zero for rows dropped by capacity, so their output is zero."""
+    gate_R = gather_rows(gates_NK.reshape(-1).to(dtype), plan.order_R, plan.inverse_R)
+    return gate_R if plan.kept_R is None else torch.where(plan.kept_R, gate_R, 0)
+
+
+def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
+    """Sum of each character's (already gated) expert outputs, back in character order: [N, D].
+
+    A gather and a sum over K (no index_add), so the result is deterministic.
+    """
+    return gather_rows(y_RD, plan.inverse_R, plan.order_R).view(plan.n_chars, plan.top_k, -1).sum(1)
+
+
+def _swiglu_gated_eager(h: Tensor, gate: Tensor) -> Tensor:
+    """silu(h_gate) * h_up * gate: [..., 2F], [...] -> [..., F]. Gating here is linear, so it equals
+    gating the expert's output, and saves the combine a pass over [R, D]."""
+    h_gate, h_up = h.chunk(2, dim=-1)
+    return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
+
+
+_swiglu_gated_fused = None
+
+
+def _swiglu(h: Tensor, gate: Tensor) -> Tensor:
+    global _swiglu_gated_fused
+    if h.is_cuda and FUSE_ELEMENTWISE_ON_CUDA:
+        if _swiglu_gated_fused is None:
+            _swiglu_gated_fused = torch.compile(_swiglu_gated_eager, dynamic=True)
+        return _swiglu_gated_fused(h, gate)
+    return _swiglu_gated_eager(h, gate)
+
+
+# ---------------------------------------------------------------- paths: [R, D] sorted rows -> [R, D]
+# Each takes the sorted rows x_RD and their gates gate_R, returns the gated expert outputs [R, D]
+# (exactly zero for rows dropped by capacity), and puts padded_rows into `stats`.
+
+def run_loop(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+             stats: dict) -> Tensor:
+    """The reference: one expert at a time over its kept rows; dropped rows get zeros."""
+    pieces = []
+    counts, kept = plan.counts_E.tolist(), plan.kept_counts_E.tolist()
+    for e, (start, total, n) in enumerate(zip(plan.starts_E.tolist(), counts, kept)):
+        if n > 0:
+            h = x_RD[start:start + n] @ gate_up_EDF2[e]
+            pieces.append(_swiglu(h, gate_R[start:start + n]) @ down_EFD[e])
+        if total > n:
+            pieces.append(x_RD.new_zeros(total - n, down_EFD.shape[-1]))
+    stats["padded_rows"] = sum(kept)
+    return torch.cat(pieces) if pieces else x_RD.new_zeros(0, down_EFD.shape[-1])
+
+
+def run_native(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+               stats: dict) -> Tensor:
+    """torch's grouped GEMM on the packed rows: no padding and no host sync."""
+    offs_E = plan.counts_E.cumsum(0).to(torch.int32)
+    h_RF2 = GROUPED_MM(x_RD, gate_up_EDF2, offs=offs_E)
+    stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
+    return GROUPED_MM(_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E)
+
+
+def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
+    """[(capacity C, experts)] with C = _bucket(load), empty experts left out, largest C first."""
+    groups: dict[int, list[int]] = {}
+    for e, n in enumerate(kept_counts):
+        if n > 0:
+            groups.setdefault(_bucket(n), []).append(e)
+    return sorted(groups.items(), reverse=True)
+
+
+def run_padded(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+               groups: list[tuple[int, list[int]]], stats: dict) -> Tensor:
+    """Run groups of experts as bmm pairs, each group padded to its own capacity.
+
+    The rows of all groups live in one flat padded buffer [P, D]; the weights of all grouped experts
+    are gathered once (a gather per group would allocate a whole-card gradient per group in backward).
+    Padding slots read row 0 and their outputs are never read back, so they send no gradient.
+    """
+    device = x_RD.device
+    experts = [e for _, members in groups for e in members]
+    caps = [c for c, members in groups for _ in members]
+    if not experts:  # every row dropped or no rows at all
+        stats["padded_rows"] = 0
+        return x_RD.new_zeros(x_RD.shape[0], down_EFD.shape[-1])
+    padded = sum(caps)
+    perm_G = torch.tensor(experts, device=device)
+    caps_G = torch.tensor(caps, device=device)
+    pad_start_G = caps_G.cumsum(0) - caps_G
+    # Which sorted row feeds each padded slot.
+    slot_expert_P = torch.repeat_interleave(torch.arange(len(experts), device=device), caps_G, output_size=padded)
+    slot_pos_P = torch.arange(padded, device=device) - pad_start_G[slot_expert_P]
+    valid_P = slot_pos_P < plan.kept_counts_E[perm_G][slot_expert_P]
+    src_P = torch.where(valid_P, plan.starts_E[perm_G][slot_expert_P] + slot_pos_P, 0)
+    # Which padded slot holds each sorted row's output (-1: dropped by capacity, reads zero).
+    group_of_E = torch.full((gate_up_EDF2.shape[0],), -1, dtype=torch.long, device=device)
+    group_of_E[perm_G] = torch.arange(len(experts), device=device)
+    position_R = torch.arange(x_RD.shape[0], device=device) - plan.starts_E[plan.expert_R]
+    dest_R = pad_start_G.index_select(0, group_of_E[plan.expert_R].clamp(min=0)) + position_R
+    dropped = plan.kept_R is not None
+    if dropped:
+        dest_R = torch.where(plan.kept_R, dest_R, -1)
+    src_or_none_P = torch.where(valid_P, src_P, -1)  # padding slots send no gradient back
+
+    x_PD = gather_rows(x_RD, src_P, dest_R, inverse_masked=dropped)
+    gate_P = gather_rows(gate_R, src_P, dest_R, inverse_masked=dropped)
+    # One gather of the grouped experts' weights, split into group views below; experts in no
+    # group (only looked for when there are some) get a zero gradient.
+    idle_experts = len(experts) < gate_up_EDF2.shape[0]
+    gate_up_G = gather_rows(gate_up_EDF2, perm_G, group_of_E, inverse_masked=idle_experts)
+    down_G = gather_rows(down_EFD, perm_G, group_of_E, inverse_masked=idle_experts)
+    # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
+    sizes = [len(members) for _, members in groups]
+    slots = [cap * g for (cap, _), g in zip(groups, sizes)]
+    outputs = []
+    for (cap, _), g, x_flat, gate_flat, gate_up_g, down_g in zip(
+            groups, sizes, x_PD.split(slots), gate_P.split(slots), gate_up_G.split(sizes), down_G.split(sizes)):
+        h_GCF2 = torch.bmm(x_flat.view(g, cap, -1), gate_up_g)
+        act_GCF = _swiglu(h_GCF2, gate_flat.view(g, cap))
+        outputs.append(torch.bmm(act_GCF, down_g).view(g * cap, -1))
+    stats["padded_rows"] = padded
+    y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return gather_rows(y_PD, dest_R, src_or_none_P, index_masked=dropped, inverse_masked=True)
+
+
+def run_grouped(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, stats):
+    # One host sync: group shapes must be known to launch the bmms.
+    groups = group_by_bucket(plan.kept_counts_E.tolist())
+    stats["groups"] = len(groups)
+    return run_padded(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, groups, stats)
+
+
+def run_rectangle(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, stats):
+    busiest = int(plan.kept_counts_E.max())
+    groups = [(busiest, list(range(gate_up_EDF2.shape[0])))] if busiest > 0 else []
+    return run_padded(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, groups, stats)
+
+
+RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}

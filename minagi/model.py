@@ -1,0 +1,171 @@
+"""The character-level MoE language model: rows of attention + PooledMLP, and a KV cache.
+
+Shape legend: B batch, T positions, D model width, H heads, Dh head width, V vocabulary,
+L cached length, N = B*T characters.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig
+from .dispatch import resolve_dispatch
+from .pool import PooledMLP
+
+
+class LMOutput(NamedTuple):
+    logits: Tensor            # [B, T, V]
+    loss: Tensor | None       # mean cross-entropy in nats, when targets are given
+    aux_loss: Tensor          # routing terms (balance + z-loss), already weighted; add to loss to train
+
+
+class KVCache:
+    """Keys and values of every row for incremental decoding: [rows, B, H, max_len, Dh]."""
+
+    def __init__(self, n_rows: int, batch_size: int, n_heads: int, head_dim: int, max_len: int):
+        self.shape = (n_rows, batch_size, n_heads, max_len, head_dim)
+        self.max_len = max_len
+        self.length = 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, row: int, k_BHTd: Tensor, v_BHTd: Tensor) -> tuple[Tensor, Tensor]:
+        """Append this call's keys/values for `row`; return all cached so far (this call included)."""
+        if self.k is None:  # allocated lazily, in the dtype attention runs in
+            self.k = k_BHTd.new_zeros(self.shape)
+            self.v = v_BHTd.new_zeros(self.shape)
+        end = self.length + k_BHTd.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache is full: {end} positions > max_len {self.max_len}")
+        self.k[row, :, :, self.length:end] = k_BHTd
+        self.v[row, :, :, self.length:end] = v_BHTd
+        return self.k[row, :, :, :end], self.v[row, :, :, :end]
+
+
+def rope_tables(positions_T: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions_T.device, dtype=torch.float32) / head_dim)
+    angles_Td = torch.outer(positions_T.float(), inv_freq)  # [T, Dh/2]
+    return angles_Td.cos(), angles_Td.sin()
+
+
+def apply_rope(x_BHTd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
+    x1, x2 = x_BHTd.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos_Td - x2 * sin_Td, x1 * sin_Td + x2 * cos_Td), dim=-1)
+    return rotated.to(x_BHTd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_base = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.rope_base
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B,H,T,Dh]
+        start = cache.length if cache is not None else 0
+        cos, sin = rope_tables(torch.arange(start, start + T, device=x_BTD.device), self.head_dim, self.rope_base)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(row, k, v)  # [B, H, L, Dh]
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T == 1:  # one new position sees everything cached
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # a chunk appended to a cache: query i sees keys up to start + i
+            mask_TL = torch.arange(k.shape[2], device=x_BTD.device) <= torch.arange(start, start + T, device=x_BTD.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TL)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class Row(nn.Module):
+    """Pre-norm causal self-attention, then a PooledMLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model)
+        self.mlp = PooledMLP(cfg.d_model, cfg.d_expert, cfg.n_experts, cfg.top_k,
+                             capacity_factor=cfg.capacity_factor, dispatch=cfg.dispatch,
+                             balance_coef=cfg.balance_coef, z_loss_coef=cfg.z_loss_coef,
+                             aux_free_bias=cfg.aux_free_bias, bias_update_rate=cfg.bias_update_rate,
+                             sink_ratio=cfg.sink_ratio)
+
+    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), row, cache)
+        B, T, D = x_BTD.shape
+        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D))
+        return x_BTD + y_ND.view(B, T, D), aux
+
+
+class CharLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.rows = nn.ModuleList(Row(cfg) for _ in range(cfg.n_rows))
+        self.final_norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style: 0.02 everywhere, residual outputs scaled by 1/sqrt(2 * rows).
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_rows)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+        for row in self.rows:
+            nn.init.normal_(row.attn.proj.weight, std=residual_std)
+            row.mlp.reset_parameters(std=0.02, down_std=residual_std)
+
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> LMOutput:
+        x = self.embed(idx_BT)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for i, row in enumerate(self.rows):
+            x, row_aux = row(x, i, cache)
+            aux = aux + row_aux
+        if cache is not None:
+            cache.length += idx_BT.shape[1]
+        logits = self.head(self.final_norm(x))
+        loss = None
+        if targets_BT is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1))
+        return LMOutput(logits, loss, aux)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg.n_rows, batch_size, self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads, max_len)
+
+    def pools(self) -> list[PooledMLP]:
+        return [row.mlp for row in self.rows]
+
+    def sink_diagnostics(self, reset: bool = True) -> list[dict]:
+        return [{"row": i, **pool.read_diagnostics(reset)} for i, pool in enumerate(self.pools())]
+
+    def step_router_bias(self) -> None:
+        for pool in self.pools():
+            pool.step_bias()
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Decay matrices and expert stacks; not norms, gains, biases or any other 1-D parameter."""
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, device: torch.device | str) -> CharLM:
+    """Build on `device`, resolving dispatch `auto` once for it (bf16 compute on CUDA, fp32 elsewhere)."""
+    device = torch.device(device)
+    model = CharLM(cfg, vocab_size).to(device)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = resolve_dispatch(cfg.dispatch, device, compute_dtype)
+    for pool in model.pools():
+        pool.dispatch = path
+        pool._diag_path = path
+    return model

@@ -1,0 +1,180 @@
+"""minagi/checkpoint.py: atomic save, strict one-line load errors, RNG state round trip."""
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minagi import checkpoint
+from minagi.checkpoint import (FORMAT_VERSION, CheckpointError, capture_rng_state, load_checkpoint,
+                               restore_rng_state, save_checkpoint)
+
+
+def _payload(step=7):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    return {
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        "config": {"model": {"d_model": 64, "dispatch": "auto"}, "train": {"lr": 3e-3, "compile": False}},
+        "vocab": "\n !abc", "step": step, "rng": capture_rng_state(), "best_heldout_loss": float("inf"),
+        "run_name": "cpu_tiny-20250101-000000",
+    }
+
+
+def _one_line_naming(err: pytest.ExceptionInfo, path: Path) -> None:
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg, msg
+
+
+def _no_temp_files(directory: Path) -> bool:
+    return not any(".tmp-" in p.name for p in directory.iterdir())
+
+
+def test_round_trip_restores_payload_and_adds_format_version(tmp_path):
+    payload = _payload()
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, payload)
+    loaded = load_checkpoint(path)
+    assert loaded["format_version"] == FORMAT_VERSION and "format_version" not in payload
+    assert loaded["step"] == 7 and loaded["vocab"] == "\n !abc" and loaded["config"] == payload["config"]
+    assert loaded["best_heldout_loss"] == float("inf") and loaded["run_name"] == payload["run_name"]
+    for k, v in payload["model"].items():
+        assert torch.equal(loaded["model"][k], v)
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], payload["optimizer"]["state"][0]["exp_avg"])
+    assert loaded["scheduler"]["last_epoch"] == payload["scheduler"]["last_epoch"]
+    assert _no_temp_files(tmp_path)
+
+
+def test_round_trip_state_loads_into_fresh_model_and_optimizer(tmp_path):
+    payload = _payload()
+    save_checkpoint(tmp_path / "c.pt", payload)
+    loaded = load_checkpoint(tmp_path / "c.pt")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    model.load_state_dict(loaded["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.load_state_dict(loaded["optimizer"])
+    assert opt.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95)
+
+
+def test_save_creates_missing_parent_directory(tmp_path):
+    path = tmp_path / "runs" / "x" / "latest.pt"
+    save_checkpoint(path, {"step": 1})
+    assert load_checkpoint(path)["step"] == 1
+
+
+@pytest.mark.parametrize("fail_in", ["torch.save", "os.replace", "os.fsync"])
+def test_interrupted_write_keeps_previous_checkpoint_and_no_temp_file(tmp_path, monkeypatch, fail_in):
+    path = tmp_path / "latest.pt"
+    save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+
+    if fail_in == "torch.save":
+        real_save = torch.save
+
+        def broken(obj, f, *args, **kwargs):
+            f.write(b"PK\x03\x04 half a zip")          # partial bytes, then the crash
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(checkpoint.torch, "save", broken)
+        expected = KeyboardInterrupt
+    else:
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.os, fail_in.split(".")[1], broken)
+        expected = OSError
+
+    with pytest.raises(expected):
+        save_checkpoint(path, {"step": 2, "w": torch.zeros(3)})
+    monkeypatch.undo()
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(3))
+    assert _no_temp_files(tmp_path)
+
+
+def test_missing_file_is_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "nothing.pt"
+    with pytest.raises(CheckpointError, match="no such checkpoint") as err:
+        load_checkpoint(path)
+    _one_line_naming(err, path)
+
+
+def test_truncated_file_is_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "cut.pt"
+    save_checkpoint(path, _payload())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
+        load_checkpoint(path)
+    _one_line_naming(err, path)
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    _one_line_naming(err, path)
+
+
+@pytest.mark.parametrize("kind", ["text", "tensor", "dict_without_version", "numpy_pickle"])
+def test_foreign_file_is_one_line_error_naming_it(tmp_path, kind):
+    path = tmp_path / f"{kind}.pt"
+    if kind == "text":
+        path.write_text("hello, I am not a checkpoint\n")
+    elif kind == "tensor":
+        torch.save(torch.arange(5), path)
+    elif kind == "dict_without_version":
+        torch.save({"model": {}, "step": 3}, path)
+    else:
+        torch.save({"format_version": 1, "x": np.arange(3)}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    _one_line_naming(err, path)
+    if kind in ("tensor", "dict_without_version", "numpy_pickle"):
+        assert "not a minagi checkpoint" in str(err.value)
+
+
+def test_newer_format_version_is_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "future.pt"
+    torch.save({"format_version": FORMAT_VERSION + 1, "step": 1}, path)
+    with pytest.raises(CheckpointError, match=f"format_version {FORMAT_VERSION + 1} is newer") as err:
+        load_checkpoint(path)
+    _one_line_naming(err, path)
+
+
+def test_save_refuses_payload_that_weights_only_load_would_refuse(tmp_path):
+    path = tmp_path / "bad.pt"
+    with pytest.raises(CheckpointError, match=r"\['rng'\]\['x'\].*numpy") as err:
+        save_checkpoint(path, {"rng": {"x": np.float64(1.0)}})
+    _one_line_naming(err, path)
+    assert not path.exists() and _no_temp_files(tmp_path)
+
+
+def _draw():
+    return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.randn(),
+            torch.rand(4).tolist(), torch.randn(2).tolist())
+
+
+def test_rng_state_round_trip_through_a_checkpoint_reproduces_draws(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)          # leaves python's cached gauss_next set
+    np.random.randn()           # leaves numpy's cached gaussian set
+    save_checkpoint(tmp_path / "r.pt", {"rng": capture_rng_state()})
+    expected = _draw()
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    _draw()
+    restore_rng_state(load_checkpoint(tmp_path / "r.pt")["rng"])
+    assert _draw() == expected
+
+
+def test_restore_rng_state_names_missing_parts():
+    with pytest.raises(CheckpointError, match="'numpy'"):
+        restore_rng_state({"python": capture_rng_state()["python"], "torch": torch.get_rng_state()})

@@ -1,0 +1,301 @@
+"""minagi.config: strict loading, precedence, round trips, and the shipped profiles."""
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from minagi.config import (
+    PROFILES_DIR, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, TrainConfig,
+    apply_overrides, available_profiles, config_from_dict, config_to_dict, config_to_toml,
+    load_config, profile_description, resolve_profile)
+
+SHIPPED = sorted(PROFILES_DIR.glob("*.toml"))
+
+
+@pytest.fixture(autouse=True)
+def _run_from_the_repo_root(monkeypatch):
+    """Messages name a file relative to the working directory when under it; pin that."""
+    monkeypatch.chdir(PROFILES_DIR.parent)
+
+
+def write(tmp_path: Path, text: str, name: str = "foo.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error_of(fn, *args) -> str:
+    """Run fn, expect a ConfigError, and check the message is one line."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message, message
+    return message
+
+
+# --- the dataclasses ------------------------------------------------------------------------
+
+
+def test_defaults_match_the_contract_and_are_valid():
+    cfg = load_config(None)
+    assert cfg == Config()
+    model = cfg.model
+    assert (model.n_rows, model.d_model, model.n_heads, model.context) == (2, 64, 4, 64)
+    assert (cfg.model.n_experts, cfg.model.top_k, cfg.model.d_expert) == (8, 2, 64)
+    assert cfg.model.capacity_factor == 0.0 and cfg.model.dispatch == "auto"
+    train = cfg.train
+    assert (train.steps, train.batch_size, train.lr, train.warmup_steps) == (300, 16, 3e-3, 30)
+    assert cfg.train.device == "auto" and cfg.train.out_dir == "runs" and cfg.train.run_name == ""
+    assert cfg.data == DataConfig(path="", heldout_fraction=0.1, cache_dir="")
+    assert cfg.memory.alloc_conf == ""
+    assert cfg.model.head_dim == 16
+
+
+@pytest.mark.parametrize("cls", [ModelConfig, DataConfig, TrainConfig, MemoryConfig, Config])
+def test_components_are_frozen_and_keyword_only(cls):
+    obj = cls()
+    field = dataclasses.fields(cls)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, field, getattr(obj, field))
+    with pytest.raises(TypeError):
+        cls(getattr(obj, field))  # positional
+
+
+def test_direct_construction_validates_too():
+    assert "model.top_k" in error_of(lambda: ModelConfig(n_experts=2, top_k=3))
+    assert "expected an integer, got a boolean" in error_of(lambda: TrainConfig(steps=True))
+    assert "not one of" in error_of(lambda: TrainConfig(device="tpu"))
+    assert "config.model" in error_of(lambda: Config(model={"n_rows": 2}))
+
+
+# --- rejections from a profile file ---------------------------------------------------------
+
+
+def test_unknown_section_is_rejected_listing_the_valid_sections(tmp_path):
+    path = write(tmp_path, "[modle]\nn_rows = 2\n")
+    assert error_of(load_config, str(path)) == (
+        f"{path}: unknown section '[modle]' (valid: data, memory, model, train); "
+        "did you mean 'model'?")
+
+
+def test_top_level_key_outside_a_section_is_rejected_pointing_at_its_section(tmp_path):
+    msg = error_of(load_config, str(write(tmp_path, "steps = 10\n")))
+    assert "foo.toml" in msg and "unknown top-level key 'steps'" in msg and "'train.steps'" in msg
+
+
+def test_unknown_key_is_rejected_with_the_valid_keys_listed(tmp_path):
+    msg = error_of(load_config, str(write(tmp_path, "[model]\nn_expert = 4\n")))
+    assert "foo.toml: unknown key 'model.n_expert' (valid: " in msg
+    valid = [f.name for f in dataclasses.fields(ModelConfig)]
+    assert all(name in msg for name in valid)
+    assert "did you mean 'n_experts'" in msg
+
+
+def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
+    msg = error_of(load_config, str(write(tmp_path, "[model.extra]\nx = 1\n")))
+    assert "unknown key 'model.extra'" in msg
+
+
+@pytest.mark.parametrize("text, key, expected", [
+    ('[model]\ntop_k = "2"\n', "model.top_k", "expected an integer, got a string"),
+    ("[model]\ntop_k = true\n", "model.top_k", "expected an integer, got a boolean"),
+    ("[model]\ntop_k = 2.0\n", "model.top_k", "expected an integer, got a float"),
+    ("[train]\nlr = true\n", "train.lr", "expected a float, got a boolean"),
+    ("[train]\ncompile = 1\n", "train.compile", "expected a boolean, got an integer"),
+    ("[data]\npath = 3\n", "data.path", "expected a string, got an integer"),
+    ("[train]\nsteps = [1, 2]\n", "train.steps", "expected an integer, got an array"),
+    ("model = 3\n", "model", "must be a table [model]"),
+    ("description = 3\n", "description", "expected a string"),
+])
+def test_wrong_type_is_rejected_naming_file_and_key(tmp_path, text, key, expected):
+    msg = error_of(load_config, str(write(tmp_path, text)))
+    assert "foo.toml: " in msg and key in msg and expected in msg
+
+
+def test_int_for_a_float_field_is_accepted_and_stored_as_float(tmp_path):
+    cfg = load_config(str(write(tmp_path, "[train]\nlr = 1\n[model]\ncapacity_factor = 2\n")))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert isinstance(cfg.model.capacity_factor, float)
+
+
+def test_value_outside_a_literal_is_rejected_listing_the_choices(tmp_path):
+    path = write(tmp_path, '[model]\ndispatch = "fast"\n')
+    assert error_of(load_config, str(path)) == (
+        f'{path}: model.dispatch = "fast" is not one of: auto, grouped, native, rectangle, loop')
+
+
+def test_top_k_above_n_experts_is_impossible(tmp_path):
+    path = write(tmp_path, "[model]\ntop_k = 9\n")
+    assert error_of(load_config, str(path)) == (
+        f"{path}: model.top_k = 9 is impossible: top_k must be <= n_experts (8)")
+
+
+def test_a_profile_under_the_working_directory_is_named_by_its_relative_path(tmp_path, monkeypatch):
+    (tmp_path / "profiles").mkdir()
+    write(tmp_path / "profiles", "[model]\nn_expert = 4\n")
+    monkeypatch.chdir(tmp_path)
+    msg = error_of(load_config, "profiles/foo.toml")
+    assert msg.startswith("profiles/foo.toml: unknown key 'model.n_expert' (valid: aux_free_bias, ")
+
+
+@pytest.mark.parametrize("section, key, value, why", [
+    ("model", "n_rows", "0", "must be >= 1"),
+    ("model", "d_model", "66", "multiple of n_heads"),
+    ("model", "d_model", "68", "must be even"),         # 68 / 4 = 17
+    ("model", "capacity_factor", "-0.5", "must be >= 0"),
+    ("model", "rope_base", "0", "must be > 0"),
+    ("data", "heldout_fraction", "0", "strictly between 0 and 1"),
+    ("data", "heldout_fraction", "1.0", "strictly between 0 and 1"),
+    ("train", "warmup_steps", "301", "warmup_steps must be <= steps (300)"),
+    ("train", "eval_every", "0", "must be >= 1"),
+    ("train", "lr", "nan", "finite"),
+    ("train", "lr", "0", "must be > 0"),
+    ("train", "beta2", "1.0", "[0, 1)"),
+    ("train", "min_lr_ratio", "1.5", "between 0 and 1"),
+    ("train", "run_name", '"a/b"', "plain folder name"),
+    ("train", "out_dir", '""', "must name a folder"),
+    ("memory", "alloc_conf", '"expandable_segments"', "name:value pairs"),
+])
+def test_impossible_values_are_rejected_naming_the_key(tmp_path, section, key, value, why):
+    msg = error_of(load_config, str(write(tmp_path, f"[{section}]\n{key} = {value}\n")))
+    assert f"foo.toml: {section}.{key} = " in msg and "is impossible" in msg and why in msg
+
+
+def test_invalid_toml_names_the_file_and_line(tmp_path):
+    msg = error_of(load_config, str(write(tmp_path, "[model]\nn_rows = = 2\n")))
+    assert "foo.toml: invalid TOML: " in msg
+    assert "line 2" in msg
+
+
+def test_config_from_dict_is_strict_and_names_its_source():
+    msg = error_of(config_from_dict, {"model": {"n_expert": 4}}, "ckpt.pt")
+    assert msg.startswith("ckpt.pt: unknown key 'model.n_expert' (valid: ")
+    assert error_of(config_from_dict, {"train": {"steps": True}}).startswith("<dict>: train.steps")
+
+
+# --- --set overrides ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("item", ["train.steps", "steps=5", "a.b.c=1", "=5", ".x=1", "train.=1"])
+def test_bad_set_syntax_is_rejected_with_an_example(item):
+    msg = error_of(load_config, None, [item])
+    assert msg.startswith("--set ") and "expected section.key=value" in msg
+
+
+def test_unknown_set_key_and_section_are_rejected_listing_valid_names():
+    msg = error_of(load_config, None, ["model.n_expert=4"])
+    assert msg.startswith("--set model.n_expert: unknown key 'model.n_expert' (valid: ")
+    assert "n_experts" in msg
+    msg = error_of(load_config, None, ["modle.n_rows=4"])
+    assert "unknown section 'modle'" in msg and "(valid: data, memory, model, train)" in msg
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("model.top_k=abc", "cannot read 'abc' as an integer"),
+    ("model.top_k=true", "expected an integer, got a boolean"),
+    ("model.top_k=9", "top_k must be <= n_experts (8)"),
+    ("model.dispatch=fast", "not one of: auto"),
+    ("train.lr=1\nw = 2", "cannot read"),
+])
+def test_bad_set_value_is_rejected_naming_the_set(item, expected):
+    key = item.split("=")[0]
+    msg = error_of(load_config, None, [item])
+    assert msg.startswith(f"--set {key}: ") and expected in msg
+
+
+def test_set_parses_toml_values_and_bare_strings_for_string_fields_only():
+    cfg = load_config(None, ["train.steps=20000", "train.lr=3e-4", "train.compile=true",
+                             "data.path=~/my corpus/*.txt", 'train.run_name="quoted"',
+                             "train.device=cpu", "train.out_dir=123", "model.capacity_factor=2"])
+    assert cfg.train.steps == 20000 and cfg.train.lr == 3e-4 and cfg.train.compile is True
+    assert cfg.data.path == "~/my corpus/*.txt" and cfg.train.run_name == "quoted"
+    assert cfg.train.device == "cpu" and cfg.train.out_dir == "123"
+    assert cfg.model.capacity_factor == 2.0
+
+
+def test_set_beats_profile_beats_defaults(tmp_path):
+    path = write(tmp_path, "[train]\nsteps = 50\nwarmup_steps = 5\nlr = 1e-3\n")
+    cfg = load_config(str(path), ["train.steps=70", "train.steps=80"])  # the later --set wins
+    assert cfg.train.steps == 80                   # --set beats the profile
+    assert cfg.train.lr == 1e-3                    # the profile beats the default
+    assert cfg.train.batch_size == TrainConfig().batch_size  # untouched keys keep the default
+
+
+def test_impossible_combination_is_blamed_on_the_set_that_made_it(tmp_path):
+    path = write(tmp_path, "[model]\nn_experts = 8\ntop_k = 4\n")
+    msg = error_of(load_config, str(path), ["model.n_experts=2", "train.steps=100"])
+    assert msg == ("--set model.n_experts: model.top_k = 4 is impossible: "
+                   "top_k must be <= n_experts (2)")
+
+
+def test_apply_overrides_accepts_a_single_string():
+    assert apply_overrides(Config(), "train.steps=70").train.steps == 70
+
+
+# --- profiles -------------------------------------------------------------------------------
+
+
+def test_missing_profile_lists_the_available_ones():
+    msg = error_of(load_config, "no_such_profile")
+    assert "unknown profile 'no_such_profile'" in msg
+    assert all(name in msg for name in available_profiles())
+
+
+def test_resolve_profile_takes_a_name_a_name_with_suffix_or_an_existing_path(tmp_path):
+    assert resolve_profile("cpu_tiny") == PROFILES_DIR / "cpu_tiny.toml"
+    assert resolve_profile("cpu_tiny.toml") == PROFILES_DIR / "cpu_tiny.toml"
+    path = write(tmp_path, "[train]\nsteps = 5\nwarmup_steps = 0\n", name="mine.toml")
+    assert resolve_profile(str(path)) == path
+    assert load_config(str(path)).train.steps == 5
+
+
+def test_description_is_allowed_and_kept_available(tmp_path):
+    path = write(tmp_path, 'description = "a test box"\n[train]\nsteps = 40\n')
+    assert load_config(str(path)).train.steps == 40
+    assert profile_description(str(path)) == "a test box"
+    assert profile_description(str(write(tmp_path, "", name="bare.toml"))) == ""
+
+
+def test_config_round_trips_through_dict_and_toml():
+    cfg = load_config(None, ["model.n_experts=16", "model.top_k=4", "train.lr=2.5e-4",
+                             "data.path=a \"quoted\"\tpath\u00e9", "model.aux_free_bias=true",
+                             "memory.alloc_conf=expandable_segments:True"])
+    d = config_to_dict(cfg)
+    assert config_from_dict(d) == cfg
+    assert config_to_dict(config_from_dict(d)) == d
+    text = config_to_toml(cfg, description="round trip")
+    assert config_from_dict(tomllib.loads(text)) == cfg
+    assert tomllib.loads(text)["description"] == "round trip"
+
+
+def test_profiles_are_shipped():
+    expected = {"cpu_tiny", "cuda_small", "strix_small", "strix_large", "h200"}
+    assert expected <= set(available_profiles())
+
+
+# Keys a profile sets on purpose although they equal the default (each explained in the file).
+PINNED_AT_DEFAULT = {("strix_large", "model.capacity_factor")}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_profile_loads_validates_and_sets_only_what_differs(path):
+    cfg = load_config(path.stem)
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("# "), "a profile starts with a comment naming the hardware"
+    assert profile_description(path.stem), "a profile carries a description"
+    defaults = config_to_dict(Config())
+    for section, table in tomllib.loads(text).items():
+        if section == "description":
+            continue
+        for key, value in table.items():
+            if (path.stem, f"{section}.{key}") not in PINNED_AT_DEFAULT:
+                assert value != defaults[section][key], f"{section}.{key} equals the default"
+
+
+def test_strix_large_is_dropless_and_h200_uses_expandable_segments():
+    assert load_config("strix_large").model.capacity_factor == 0.0
+    assert load_config("strix_large").memory.alloc_conf == ""
+    assert load_config("h200").memory.alloc_conf == "expandable_segments:True"

@@ -1,0 +1,303 @@
+"""minagi/data.py: vocabulary, corpus loading and split, cache, deterministic sharded batches."""
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minagi import data
+from minagi.data import DataError, Vocab, VocabError, get_batch, heldout_batches, load_corpus
+
+SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return str(tmp_path / "cache")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode("utf-8"))
+    return path
+
+
+def _many_files(root: Path, n: int = 20, size: int = 1000) -> Path:
+    for i in range(n):
+        _write(root / f"sub{i % 3}" / f"f{i:02d}.txt", (f"file {i} says hello. " * size)[: size + 37 * i])
+    return root
+
+
+# --- vocabulary --------------------------------------------------------------------------------
+
+def test_vocab_encode_decode_round_trip_including_non_ascii():
+    text = "Hello, wörld!\n\tçà 🙂 ok"
+    vocab = Vocab.from_text(text)
+    assert vocab.chars == "".join(sorted(set(text)))
+    ids = vocab.encode(text)
+    assert ids.dtype == np.uint8 and len(ids) == len(text)
+    assert vocab.decode(ids) == text
+    assert vocab.decode(torch.from_numpy(ids.astype(np.int64))) == text
+    assert vocab.decode(ids.tolist()) == text
+    assert Vocab.from_chars(vocab.to_list()) == vocab == Vocab.from_chars(vocab.chars)
+
+
+def test_vocab_dtype_widens_past_256_characters():
+    wide = Vocab("".join(chr(0x100 + i) for i in range(300)))
+    text = wide.chars[::-1]
+    ids = wide.encode(text)
+    assert ids.dtype == np.uint16 and wide.decode(ids) == text
+
+
+def test_vocab_encode_error_names_unknown_characters_with_counts():
+    vocab = Vocab.from_text("abc ")
+    with pytest.raises(VocabError) as info:
+        vocab.encode("abc é\té\U0001F642")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "'é' x2" in msg and repr("\t") in msg and repr("\U0001F642") in msg and "3 character(s)" in msg
+
+
+def test_vocab_encode_error_lists_at_most_ten_characters():
+    vocab = Vocab("a")
+    with pytest.raises(VocabError, match=r"20 character\(s\).*\(\+10 more\)"):
+        vocab.encode("".join(chr(0x400 + i) for i in range(20)))
+
+
+def test_vocab_rejects_unsorted_or_duplicate_characters():
+    with pytest.raises(VocabError):
+        Vocab("ba")
+    with pytest.raises(VocabError):
+        Vocab("aab")
+
+
+def test_vocab_decode_error_names_out_of_range_id():
+    with pytest.raises(VocabError, match="id 7"):
+        Vocab("ab").decode([0, 7])
+
+
+# --- loading and the split ---------------------------------------------------------------------
+
+def test_single_file_holds_out_the_last_fraction(tmp_path, cache):
+    text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000)) + "\r\nend\r\n"
+    path = _write(tmp_path / "one.txt", text)
+    corpus = load_corpus(str(path), 0.25, cache_dir=cache)
+    norm = text.replace("\r\n", "\n")
+    cut = int(len(norm) * 0.75)
+    assert "\r" not in corpus.vocab.chars
+    assert corpus.vocab.decode(corpus.train_ids) == norm[:cut]
+    assert corpus.vocab.decode(corpus.heldout_ids) == norm[cut:]
+    assert (corpus.train_chars, corpus.heldout_chars) == (cut, len(norm) - cut)
+    assert corpus.sources == ["one.txt"] and corpus.heldout_sources == []
+
+
+def test_several_files_hold_out_whole_files_deterministically(tmp_path, cache):
+    root = _many_files(tmp_path / "corpus")
+    _write(root / ".hidden.txt", "HIDDEN")
+    _write(root / ".git" / "config", "GITDIR")
+    a = load_corpus(str(root), 0.2, cache_dir=cache)
+    b = load_corpus(str(root), 0.2, cache_dir=str(tmp_path / "other_cache"))
+    assert not b.cache_hit
+    assert a.heldout_sources == b.heldout_sources and np.array_equal(a.heldout_ids, b.heldout_ids)
+    assert len(a.sources) == 20 and not any("hidden" in s or ".git" in s for s in a.sources)
+    assert 1 <= len(a.heldout_sources) < 20
+    # whole files: held-out text is exactly the held-out files, concatenated in sorted order
+    texts = {s: (root / s).read_text() for s in a.sources}
+    assert a.vocab.decode(a.heldout_ids) == "".join(texts[s] for s in sorted(a.heldout_sources))
+    assert a.vocab.decode(a.train_ids) == "".join(texts[s] for s in a.sources if s not in a.heldout_sources)
+    total = a.train_chars + a.heldout_chars
+    assert abs(a.heldout_chars / total - 0.2) < 0.05
+
+
+def test_two_files_keep_one_on_each_side(tmp_path, cache):
+    root = tmp_path / "two"
+    _write(root / "a.txt", "a" * 5000)
+    _write(root / "b.txt", "b" * 10)
+    for fraction in (0.01, 0.5, 0.95):
+        corpus = load_corpus(str(root), fraction, cache_dir=cache)
+        assert len(corpus.heldout_sources) == 1 and corpus.train_chars > 0 and corpus.heldout_chars > 0
+
+
+def test_vocab_covers_heldout_only_characters(tmp_path, cache):
+    root = _many_files(tmp_path / "c", n=6)
+    corpus = load_corpus(str(root), 0.3, cache_dir=cache)
+    held = corpus.heldout_sources[0]
+    _write(root / held, (root / held).read_text() + "Ωλ")
+    corpus = load_corpus(str(root), 0.3, cache_dir=cache)
+    assert held in corpus.heldout_sources and "Ω" in corpus.vocab.chars and "λ" in corpus.vocab.chars
+
+
+def test_glob_loads_sorted_matches(tmp_path, cache):
+    _write(tmp_path / "g" / "b.txt", "bbbb")
+    _write(tmp_path / "g" / "a.txt", "aaaa")
+    _write(tmp_path / "g" / "c.md", "cccc")
+    corpus = load_corpus(str(tmp_path / "g" / "*.txt"), 0.5, cache_dir=cache)
+    assert corpus.sources == ["a.txt", "b.txt"] and corpus.vocab.chars == "ab"
+
+
+def test_binary_file_in_directory_is_skipped_with_one_warning(tmp_path, cache):
+    root = tmp_path / "mixed"
+    _write(root / "a.txt", "plain text one")
+    _write(root / "b.txt", "plain text two")
+    (root / "blob.bin").write_bytes(bytes([0x89, 0x50, 0xFF, 0xFE, 0x00, 0x01]))
+    (root / "nul.dat").write_bytes(b"abc\x00def")
+    with pytest.warns(data.DataWarning) as record:
+        corpus = load_corpus(str(root), 0.5, cache_dir=cache)
+    assert len(record) == 1 and "blob.bin" in str(record[0].message) and "nul.dat" in str(record[0].message)
+    assert corpus.sources == ["a.txt", "b.txt"]
+
+
+def test_single_non_utf8_file_is_an_error_naming_it(tmp_path, cache):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.txt"):
+        load_corpus(str(path), 0.1, cache_dir=cache)
+
+
+def test_missing_path_and_empty_glob_are_one_line_errors_naming_them(tmp_path, cache):
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(DataError, match="nope.txt") as info:
+        load_corpus(missing, 0.1, cache_dir=cache)
+    assert "\n" not in str(info.value)
+    with pytest.raises(DataError, match=r"\*\.zzz.*matched no files"):
+        load_corpus(str(tmp_path / "*.zzz"), 0.1, cache_dir=cache)
+
+
+def test_given_vocab_is_used_and_outside_characters_name_file_and_characters(tmp_path, cache):
+    path = _write(tmp_path / "t.txt", "abcabc\n" * 50)
+    wider = Vocab("\nabcdz")
+    corpus = load_corpus(str(path), 0.1, cache_dir=cache, vocab=wider)
+    assert corpus.vocab == wider and corpus.vocab.decode(corpus.train_ids[:7]) == "abcabc\n"
+    with pytest.raises(VocabError, match=r"t\.txt.*'c' x100") as info:
+        load_corpus(str(path), 0.1, cache_dir=cache, vocab=Vocab("\nab"))
+    assert "\n" not in str(info.value)
+
+
+def test_second_load_is_a_cache_hit_without_reencoding(tmp_path, cache, monkeypatch):
+    root = _many_files(tmp_path / "c", n=5)
+    first = load_corpus(str(root), 0.2, cache_dir=cache)
+    assert not first.cache_hit and Path(first.cache_path).is_file()
+    mtime = os.stat(first.cache_path).st_mtime_ns
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("re-encoded a cached corpus")
+
+    monkeypatch.setattr(Vocab, "encode", no_encoding)
+    second = load_corpus(str(root), 0.2, cache_dir=cache)
+    assert second.cache_hit and isinstance(second.train_ids, np.memmap)
+    assert os.stat(first.cache_path).st_mtime_ns == mtime
+    assert np.array_equal(first.train_ids, second.train_ids) and first.vocab == second.vocab
+    # resuming with the checkpoint's vocab (the same one) reuses that entry too
+    assert load_corpus(str(root), 0.2, cache_dir=cache, vocab=first.vocab).cache_hit
+    monkeypatch.undo()
+    # changing content or split misses the cache
+    assert not load_corpus(str(root), 0.3, cache_dir=cache).cache_hit
+    _write(root / "sub0" / "f00.txt", "changed")
+    assert not load_corpus(str(root), 0.2, cache_dir=cache).cache_hit
+
+
+def test_cache_leaves_no_temp_files_and_uses_uint8_for_small_vocab(tmp_path, cache):
+    corpus = load_corpus(str(_write(tmp_path / "t.txt", "hello world\n" * 20)), 0.1, cache_dir=cache)
+    files = sorted(p.name for p in (Path(cache) / "corpus").iterdir())
+    assert len(files) == 3 and not any(".tmp-" in f for f in files)
+    assert corpus.train_ids.dtype == np.uint8 and corpus.heldout_ids.dtype == np.uint8
+
+
+def test_zero_heldout_fraction_gives_empty_heldout_split(tmp_path, cache):
+    corpus = load_corpus(str(_write(tmp_path / "t.txt", "abcdef" * 10)), 0.0, cache_dir=cache)
+    assert corpus.heldout_chars == 0 and corpus.train_chars == 60
+    assert load_corpus(str(tmp_path / "t.txt"), 0.0, cache_dir=cache).cache_hit
+    with pytest.raises(DataError, match="held-out split has 0 characters"):
+        heldout_batches(corpus.heldout_ids, 2, 4, 1, seed=0)
+
+
+def test_stdlib_default_loads_real_python_source(cache):
+    corpus = load_corpus("", 0.1, cache_dir=cache)
+    assert len(corpus.sources) > 20 and all(s.startswith("stdlib/") and s.endswith(".py") for s in corpus.sources)
+    assert not any("site-packages" in s or "/test/" in s for s in corpus.sources)
+    assert 1_000_000 < corpus.train_chars + corpus.heldout_chars <= data.STDLIB_CAP_BYTES
+    assert corpus.heldout_sources and corpus.heldout_chars > 0
+    text = corpus.vocab.decode(corpus.train_ids[:200_000])
+    assert "def " in text and "import " in text and "return" in text
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt not present")
+def test_tinyshakespeare_vocab_is_65_and_split_matches_nanogpt(cache):
+    corpus = load_corpus(str(SHAKESPEARE), 0.1, cache_dir=cache)
+    assert corpus.vocab.size == 65
+    assert (corpus.train_chars, corpus.heldout_chars) == (1_003_854, 111_540)
+    assert corpus.vocab.decode(corpus.train_ids[:14]) == "First Citizen:"
+
+
+# --- batches -----------------------------------------------------------------------------------
+
+def _ids(n=5000):
+    return np.arange(n, dtype=np.int64) % 251
+
+
+def test_get_batch_is_deterministic_in_seed_and_step():
+    ids = _ids().astype(np.uint8)
+    x1, y1 = get_batch(ids, 8, 16, seed=3, step=10)
+    x2, y2 = get_batch(ids, 8, 16, seed=3, step=10)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.dtype == torch.int64 and x1.shape == (8, 16)
+    assert not torch.equal(x1, get_batch(ids, 8, 16, seed=3, step=11)[0])
+    assert not torch.equal(x1, get_batch(ids, 8, 16, seed=4, step=10)[0])
+
+
+def test_get_batch_targets_are_inputs_shifted_by_one():
+    ids = np.random.default_rng(0).integers(0, 50, 3000).astype(np.uint8)
+    x, y = get_batch(ids, 4, 32, seed=0, step=0)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x.numpy(), y.numpy()):   # each row is a real window of the ids
+        starts = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(ids, 33) ==
+                                       np.append(row_x, row_y[-1]), axis=1))
+        assert len(starts) >= 1
+
+
+def test_rank_shards_concatenate_to_the_single_rank_batch():
+    ids = _ids()
+    whole_x, whole_y = get_batch(ids, 8, 12, seed=1, step=5)
+    halves = [get_batch(ids, 8, 12, seed=1, step=5, rank=r, world_size=2) for r in range(2)]
+    assert halves[0][0].shape == (4, 12)
+    assert torch.equal(torch.cat([h[0] for h in halves]), whole_x)
+    assert torch.equal(torch.cat([h[1] for h in halves]), whole_y)
+    quarters = [get_batch(ids, 8, 12, seed=1, step=5, rank=r, world_size=4)[0] for r in range(4)]
+    assert torch.equal(torch.cat(quarters), whole_x)
+
+
+def test_batch_size_not_divisible_by_world_size_is_an_error():
+    with pytest.raises(DataError, match="batch_size 10.*world_size 4"):
+        get_batch(_ids(), 10, 8, seed=0, step=0, rank=0, world_size=4)
+
+
+def test_split_shorter_than_context_names_split_and_length():
+    with pytest.raises(DataError, match="train split has 10 characters.*context 16"):
+        get_batch(np.zeros(10, np.uint8), 2, 16, seed=0, step=0)
+    with pytest.raises(DataError, match="held-out split has 10 characters"):
+        heldout_batches(np.zeros(10, np.uint8), 2, 16, n_batches=2, seed=0)
+
+
+def test_heldout_batches_are_fixed_and_shardable():
+    ids = _ids()
+    a = heldout_batches(ids, 6, 10, n_batches=3, seed=7)
+    b = heldout_batches(ids, 6, 10, n_batches=3, seed=7)
+    assert len(a) == 3 and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+    assert not torch.equal(a[0][0], a[1][0])
+    halves = [heldout_batches(ids, 6, 10, n_batches=3, seed=7, rank=r, world_size=2) for r in range(2)]
+    for i in range(3):
+        assert torch.equal(torch.cat([halves[0][i][0], halves[1][i][0]]), a[i][0])
+
+
+def test_batch_windows_stay_inside_the_ids():
+    ids = np.arange(20, dtype=np.int64)          # tiny: every window start 0..3 must appear, none past
+    seen = set()
+    for step in range(50):
+        x, y = get_batch(ids, 4, 16, seed=0, step=step)
+        assert int(y.max()) <= 19
+        seen.update(x[:, 0].tolist())
+    assert seen == {0, 1, 2, 3}

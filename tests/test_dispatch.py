@@ -1,0 +1,190 @@
+"""Dispatch paths compute the same function: grouped == rectangle == loop (== native where it runs)."""
+import pytest
+import torch
+
+from minagi.dispatch import GROUPED_MM, _bucket, group_by_bucket, make_plan, run_padded
+from minagi.pool import PooledMLP
+
+D, F_, E, K = 16, 24, 8, 2
+
+
+def routing(n_chars, bias_E, k=K, seed=0):
+    """Distinct top-k experts per character, skewed by bias_E; random positive gates."""
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.rand(n_chars, len(bias_E), generator=g) + torch.tensor(bias_E)).topk(k, -1).indices
+    gates = torch.rand(n_chars, k, generator=g) + 0.1
+    return ids, gates / gates.sum(-1, keepdim=True)
+
+
+SCENARIOS = {
+    "one_character": (1, [0.0] * E),
+    "uneven_two_groups": (300, [3.0, 1.5, 1.2, 0.9, 0.6, 0.3, 0.1, 0.0]),
+    "empty_experts": (64, [0.0] * 4 + [-10.0] * 4),
+    "sink": (257, [10.0] + [0.0] * (E - 1)),
+}
+
+
+def make_pool(seed=0, **kw):
+    torch.manual_seed(seed)
+    pool = PooledMLP(D, F_, E, K, dispatch="loop", **kw)
+    with torch.no_grad():  # larger weights than the init so differences would show
+        pool.gate_up.normal_(0, 0.3)
+        pool.down.normal_(0, 0.3)
+    return pool
+
+
+def run(pool, path, x, ids, gates, seed=1):
+    """Outputs and gradients (input, both stacks, gates) of one path on cloned inputs."""
+    pool.zero_grad()
+    x = x.clone().requires_grad_(True)
+    gates = gates.clone().requires_grad_(True)
+    y = pool.experts_forward(x, ids, gates, path=path)
+    weight = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))  # not .sum(): see REFERENCE
+    (y * weight).sum().backward()
+    return y.detach(), x.grad, pool.gate_up.grad.clone(), pool.down.grad.clone(), gates.grad
+
+
+def assert_same(a, b, atol=1e-5):
+    for name, u, v in zip(("output", "input grad", "gate_up grad", "down grad", "gate grad"), a, b):
+        torch.testing.assert_close(u, v, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_bucket_rounds_to_powers_of_two_then_multiples_of_128():
+    assert [_bucket(n) for n in (1, 2, 3, 100, 128, 129, 255, 256, 300)] == [1, 2, 4, 128, 128, 256, 256, 256, 384]
+    assert _bucket(0) == 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_grouped_matches_rectangle_and_loop_outputs_and_grads(scenario):
+    n_chars, bias = SCENARIOS[scenario]
+    pool = make_pool()
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    ref = run(pool, "loop", x, ids, gates)
+    assert_same(run(pool, "grouped", x, ids, gates), ref)
+    assert_same(run(pool, "rectangle", x, ids, gates), ref)
+
+
+def test_uneven_scenario_really_splits_into_several_groups_and_sink_really_sinks():
+    n_chars, bias = SCENARIOS["uneven_two_groups"]
+    ids, _ = routing(n_chars, bias)
+    assert len(group_by_bucket(torch.bincount(ids.flatten(), minlength=E).tolist())) >= 2
+    n_chars, bias = SCENARIOS["sink"]
+    ids, _ = routing(n_chars, bias)
+    assert (ids == 0).any(-1).all()
+    n_chars, bias = SCENARIOS["empty_experts"]
+    ids, _ = routing(n_chars, bias)
+    assert torch.bincount(ids.flatten(), minlength=E)[4:].sum() == 0
+
+
+@pytest.mark.skipif(GROUPED_MM is None, reason="this torch has no grouped_mm")
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_native_matches_loop_outputs_and_grads(scenario):
+    n_chars, bias = SCENARIOS[scenario]
+    pool = make_pool()
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    assert_same(run(pool, "native", x, ids, gates), run(pool, "loop", x, ids, gates))
+
+
+def test_bucket_padding_changes_nothing():
+    pool = make_pool()
+    n_chars, bias = SCENARIOS["uneven_two_groups"]
+    x = torch.randn(n_chars, D)
+    ids, _ = routing(n_chars, bias)
+    plan = make_plan(ids, E)
+    x_RD = x[plan.token_R]
+    gate_R = torch.rand(x_RD.shape[0])
+    counts = plan.counts_E.tolist()
+    exact = [(n, [e]) for e, n in enumerate(counts) if n > 0]
+    bucketed = group_by_bucket(counts)
+    assert any(c != counts[m[0]] for c, m in bucketed), "the scenario must actually pad"
+    stats_exact, stats_bucketed = {}, {}
+    y_exact = run_padded(x_RD, gate_R, pool.gate_up, pool.down, plan, exact, stats_exact)
+    y_bucketed = run_padded(x_RD, gate_R, pool.gate_up, pool.down, plan, bucketed, stats_bucketed)
+    torch.testing.assert_close(y_bucketed, y_exact, atol=1e-5, rtol=1e-5)
+    assert stats_bucketed["padded_rows"] > stats_exact["padded_rows"] == sum(counts)
+
+
+def test_one_expert_top1_pool_equals_dense_swiglu():
+    torch.manual_seed(0)
+    pool = PooledMLP(D, F_, 1, 1, dispatch="grouped", balance_coef=0.0)
+    x = torch.randn(37, D)
+    y, aux = pool(x)
+    gate, up = (x @ pool.gate_up[0]).chunk(2, -1)
+    dense = (torch.nn.functional.silu(gate) * up) @ pool.down[0]
+    torch.testing.assert_close(y, dense, atol=1e-6, rtol=1e-5)
+    assert aux.item() == 0.0
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
+def test_capacity_drops_exactly_what_it_reports(path):
+    if path == "native" and GROUPED_MM is None:
+        pytest.skip("no grouped_mm")
+    pool = make_pool(capacity_factor=1.0)
+    n_chars, bias = SCENARIOS["sink"]
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    cap = pool.capacity(n_chars)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    expected_dropped = (counts - cap).clamp(min=0).sum().item()
+    assert expected_dropped > 0
+    pool.read_diagnostics(reset=True)
+    y = pool.experts_forward(x, ids, gates, path=path)
+    diag = pool.read_diagnostics()
+    assert diag["dropped_fraction"] == pytest.approx(expected_dropped / ids.numel())
+    # Reference: the uncapped loop with the dropped (character, expert) pairs' gates set to zero.
+    seen = torch.zeros(E, dtype=torch.long)
+    kept_gates = gates.clone()
+    for n in range(n_chars):  # characters in order: earlier characters keep their place
+        for k in range(K):
+            e = ids[n, k]
+            if seen[e] >= cap:
+                kept_gates[n, k] = 0.0
+            seen[e] += 1
+    uncapped = make_pool()
+    uncapped.load_state_dict(pool.state_dict())
+    torch.testing.assert_close(y, uncapped.experts_forward(x, ids, kept_gates, path="loop"), atol=1e-5, rtol=1e-4)
+
+
+def test_uncapped_drops_nothing():
+    pool = make_pool()
+    n_chars, bias = SCENARIOS["sink"]
+    ids, gates = routing(n_chars, bias)
+    pool.experts_forward(torch.randn(n_chars, D), ids, gates, path="grouped")
+    assert pool.read_diagnostics()["dropped_fraction"] == 0.0
+
+
+def test_grouped_dispatch_false_uses_the_rectangle():
+    pool = make_pool()
+    pool.dispatch = "grouped"
+    n_chars, bias = SCENARIOS["sink"]
+    ids, gates = routing(n_chars, bias)
+    x = torch.randn(n_chars, D)
+    try:
+        PooledMLP.grouped_dispatch = False
+        assert pool.path_for(x) == "rectangle"
+        pool.experts_forward(x, ids, gates)
+        diag = pool.read_diagnostics()
+    finally:
+        PooledMLP.grouped_dispatch = True
+    busiest = torch.bincount(ids.flatten(), minlength=E).max().item()
+    assert diag["path"] == "rectangle"
+    assert diag["padding_ratio"] == pytest.approx(E * busiest / ids.numel())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cuda_bf16_paths_match_fp32_loop(scenario):
+    n_chars, bias = SCENARIOS[scenario]
+    pool = make_pool()
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    ref = pool.experts_forward(x, ids, gates, path="loop").detach()
+    pool = pool.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for path in ("grouped", "rectangle", "native"):
+            y = pool.experts_forward(x.cuda(), ids.cuda(), gates.cuda(), path=path).float().cpu()
+            err = (y - ref).norm() / ref.norm()
+            assert err < 2e-2, f"{path}: relative error {err:.3g}"

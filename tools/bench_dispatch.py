@@ -1,0 +1,194 @@
+"""Benchmark PooledMLP dispatch paths: forward + backward of one pool over a routing-skew sweep.
+
+Each case is timed beside a dense SwiGLU MLP doing the same routed FLOPs (R = T*K rows through one
+expert-sized MLP) in the same run, so `vs_dense` is a ratio measured side by side.
+
+    python tools/bench_dispatch.py                      # the H200 sweep of docs/benchmarks.md
+    python tools/bench_dispatch.py --device cpu --chars 64 --experts 8 --top-k 2 --width 32 --repeat 2
+
+Prints a table; writes every number to --json (default bench_dispatch.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minagi import dispatch as dispatch_module  # noqa: E402
+from minagi.dispatch import PATHS, native_supported, resolve_dispatch  # noqa: E402
+from minagi.pool import PooledMLP  # noqa: E402
+
+SKEWS = ("uniform", "hot", "sink94", "collapse")
+
+
+def make_routing(skew: str, n_chars: int, n_experts: int, top_k: int, gen: torch.Generator):
+    """Expert ids [N, K] (distinct per character) and gates for one skew of the sweep."""
+    scores = torch.rand(n_chars, n_experts, generator=gen)
+    if skew == "hot":          # a hot set of K*2 experts takes most of the rows
+        scores[:, : 2 * top_k] += 0.6
+    elif skew == "sink94":     # one sink picked by 94% of characters (the seed case)
+        scores[: round(0.94 * n_chars), 0] += 2.0
+        scores = scores[torch.randperm(n_chars, generator=gen)]
+    elif skew == "collapse":   # every character picks the same K experts
+        scores[:, :top_k] += 2.0
+    ids = scores.topk(top_k, -1).indices
+    gates = torch.softmax(torch.randn(n_chars, top_k, generator=gen), -1)
+    return ids, gates
+
+
+def timed(fn, repeat: int, device: torch.device) -> tuple[float, int]:
+    """Median milliseconds over `repeat` runs after warm-up, and the peak memory of one run (bytes over baseline)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    return statistics.median(times), peak
+
+
+def dense_step(rows: int, width: int, expert_width: int, device, dtype):
+    """Forward + backward of a dense SwiGLU MLP over `rows` rows: the same FLOPs as the routed experts."""
+    x = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+    w1 = (torch.randn(width, 2 * expert_width, device=device, dtype=dtype) * 0.02).requires_grad_()
+    w2 = (torch.randn(expert_width, width, device=device, dtype=dtype) * 0.02).requires_grad_()
+    grad_out = torch.randn(rows, width, device=device, dtype=dtype)
+
+    def step():
+        gate, up = (x @ w1).chunk(2, -1)
+        y = (F.silu(gate) * up) @ w2
+        torch.autograd.grad(y, (x, w1, w2), grad_out)
+    return step
+
+
+def pool_step(pool: PooledMLP, path: str, x, ids, gates, grad_out):
+    def step():
+        y = pool.experts_forward(x, ids, gates, path=path)
+        torch.autograd.grad(y, (x, pool.gate_up, pool.down, gates), grad_out)
+    return step
+
+
+def profile_paths(pool, paths, n_chars, skew, E, K, D, device, dtype) -> None:
+    """Where the time goes: the top kernels of one forward + backward per path."""
+    from torch.profiler import ProfilerActivity, profile
+    ids, gates = make_routing(skew, n_chars, E, K, torch.Generator().manual_seed(1))
+    ids, gates = ids.to(device), gates.to(device=device, dtype=dtype).requires_grad_()
+    x = torch.randn(n_chars, D, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(n_chars, D, device=device, dtype=dtype)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for path in paths:
+        step = pool_step(pool, path, x, ids, gates, grad_out)
+        step()
+        with profile(activities=activities) as prof:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(f"\n## profile: {path}, {n_chars} chars, {skew}")
+        print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--chars", type=int, nargs="+", default=[1, 2081, 16384])
+    ap.add_argument("--skews", nargs="+", default=list(SKEWS), choices=SKEWS)
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024, help="D = F")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--json", default="bench_dispatch.json")
+    ap.add_argument("--eager-elementwise", action="store_true",
+                    help="run SwiGLU and gating eagerly on CUDA instead of one compiled kernel")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler's top kernels for each path at the largest --chars, first skew")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if args.eager_elementwise:
+        dispatch_module.FUSE_ELEMENTWISE_ON_CUDA = False
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    D = Fw = args.width
+    E, K = args.experts, args.top_k
+    default_path = resolve_dispatch("auto", device, dtype)
+    paths = [p for p in args.paths if p != "native" or native_supported(device, dtype)]
+    torch.manual_seed(0)
+    pool = PooledMLP(D, Fw, E, K, dispatch="grouped").to(device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "dtype": str(dtype), "experts": E, "top_k": K, "width": D,
+        "default_path": default_path, "repeat": args.repeat,
+        "fused_elementwise": device.type == "cuda" and dispatch_module.FUSE_ELEMENTWISE_ON_CUDA,
+    }
+    results = []
+    for n_chars in args.chars:
+        rows = n_chars * K
+        flops = 18 * D * Fw * rows  # fwd 6*D*F per routed row, bwd twice that
+        dense_ms, dense_peak = timed(dense_step(rows, D, Fw, device, dtype), args.repeat, device)
+        for skew in args.skews:
+            ids, gates = make_routing(skew, n_chars, E, K, gen)
+            ids, gates = ids.to(device), gates.to(device=device, dtype=dtype).requires_grad_()
+            x = torch.randn(n_chars, D, device=device, dtype=dtype, requires_grad=True)
+            grad_out = torch.randn(n_chars, D, device=device, dtype=dtype)
+            load = torch.bincount(ids.flatten(), minlength=E)
+            for path in paths:
+                pool.read_diagnostics(reset=True)
+                ms, peak = timed(pool_step(pool, path, x, ids, gates, grad_out), args.repeat, device)
+                diag = pool.read_diagnostics(reset=True)
+                row = {
+                    "chars": n_chars, "skew": skew, "path": path, "ms": ms, "tflops": flops / ms / 1e9,
+                    "dense_ms": dense_ms, "vs_dense": dense_ms / ms, "padding_ratio": diag["padding_ratio"],
+                    "peak_bytes": peak, "dense_peak_bytes": dense_peak,
+                    "peak_vs_dense": peak / dense_peak if dense_peak else None,
+                    "max_over_fair": load.max().item() / (rows / E), "default": path == default_path,
+                }
+                results.append(row)
+                print(f"  {n_chars:>6} {skew:<9} {path:<10} {ms:8.3f} ms", file=sys.stderr, flush=True)
+            del x, grad_out, ids, gates
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    if args.profile:
+        profile_paths(pool, paths, max(args.chars), args.skews[0], E, K, D, device, dtype)
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"# {meta['device']}, torch {meta['torch']}, {meta['dtype']}, E={E} K={K} D=F={D}, "
+          f"default path: {default_path}, fused elementwise: {meta['fused_elementwise']}, median of {args.repeat}")
+    print("| chars | skew | path | ms | routed TFLOP/s | vs dense | padded/routed | peak MiB | peak vs dense | max/fair |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        pvd = f"{r['peak_vs_dense']:.2f}" if r["peak_vs_dense"] is not None else "-"
+        print(f"| {r['chars']} | {r['skew']} | {r['path']}{' *' if r['default'] else ''} | {r['ms']:.3f} | "
+              f"{r['tflops']:.1f} | {r['vs_dense']:.2f} | {r['padding_ratio']:.2f} | "
+              f"{r['peak_bytes'] / 2**20:.0f} | {pvd} | {r['max_over_fair']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

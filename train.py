@@ -1,0 +1,87 @@
+"""Train a minagi character-level MoE model.
+
+    python train.py                                   # cpu_tiny on a CPU, cuda_small with a GPU
+    python train.py --profile h200 --data shakespeare.txt --set train.steps=20000
+    python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
+
+Exit codes: 0 done, 2 bad configuration / data / checkpoint, 3 the loss became NaN/inf, 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from minagi import devices
+from minagi.checkpoint import CheckpointError
+from minagi.config import ConfigError, load_config
+from minagi.data import DataError
+
+USAGE_ERRORS = (ConfigError, DataError, CheckpointError, devices.DeviceError)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", help="a name in profiles/ or a .toml path "
+                                     "(default: cuda_small with a GPU, cpu_tiny without)")
+    p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting (repeatable); on --resume only train.steps")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
+    p.add_argument("--run-name", help="the run folder's name under train.out_dir")
+    return p.parse_args(argv)
+
+
+def resolve(args: argparse.Namespace) -> tuple:
+    """(config, profile name) from the arguments, or from the run folder on --resume."""
+    from minagi.trainer import resume_config
+
+    if args.resume:
+        given = [flag for flag, value in (("--profile", args.profile), ("--data", args.data),
+                                          ("--run-name", args.run_name)) if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)} cannot be combined with --resume (the run keeps "
+                              "its own settings; only --set train.steps=N may extend it)")
+        return resume_config(args.resume, args.sets)
+    profile = args.profile
+    if profile is None:
+        import torch  # is_available() asks the driver; it allocates nothing, so the alloc conf still applies
+        profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
+    cfg = load_config(profile, args.sets)
+    if args.data is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=args.data))
+    if args.run_name is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=args.run_name))
+    return cfg, Path(profile).stem
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        cfg, profile = resolve(args)
+        # Before anything touches the GPU: the allocator reads its settings at the first allocation.
+        devices.apply_alloc_conf(cfg.memory.alloc_conf)
+        from minagi.trainer import NonFiniteLossError, train
+        try:
+            result = train(cfg, profile, args.resume, argv=[sys.executable, "train.py", *argv])
+        except NonFiniteLossError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+    except USAGE_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted before training began; nothing saved", file=sys.stderr)
+        return 130
+    if result.interrupted:
+        return 130
+    if result.heldout_bpc is not None:
+        print(f"final held-out: {result.heldout_loss:.4f} nats = {result.heldout_bpc:.4f} bits/char "
+              f"(best {result.best_heldout_loss:.4f} nats) at step {result.step}; run folder {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
