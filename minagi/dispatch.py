@@ -12,7 +12,6 @@ Shape legend:
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,12 +23,6 @@ PATHS = ("grouped", "native", "rectangle", "loop")
 
 # torch >= 2.10 exposes F.grouped_mm; 2.8-2.9 only torch._grouped_mm. Both take (a_2D, b_3D, offs=int32).
 GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-# On CUDA the SwiGLU-and-gate elementwise work runs as one fused kernel each way (torch.compile
-# through Triton): eager it is five passes over [R, F] that cost about as much as the matmuls.
-# Set False to measure the eager version.
-FUSE_ELEMENTWISE_ON_CUDA: bool = importlib.util.find_spec("triton") is not None
 
 
 def _bucket(n: int) -> int:
@@ -177,23 +170,12 @@ def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
     return gather_rows(y_RD, plan.inverse_R, plan.order_R).view(plan.n_chars, plan.top_k, -1).sum(1)
 
 
-def _swiglu_gated_eager(h: Tensor, gate: Tensor) -> Tensor:
+def _swiglu(h: Tensor, gate: Tensor) -> Tensor:
     """silu(h_gate) * h_up * gate: [..., 2F], [...] -> [..., F]. Gating here is linear, so it equals
-    gating the expert's output, and saves the combine a pass over [R, D]."""
+    gating the expert's output, and spares the combine a pass over [R, D] and its backward.
+    (A torch.compile-fused version was slower on the H200: docs/LOG.md.)"""
     h_gate, h_up = h.chunk(2, dim=-1)
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
-
-
-_swiglu_gated_fused = None
-
-
-def _swiglu(h: Tensor, gate: Tensor) -> Tensor:
-    global _swiglu_gated_fused
-    if h.is_cuda and FUSE_ELEMENTWISE_ON_CUDA:
-        if _swiglu_gated_fused is None:
-            _swiglu_gated_fused = torch.compile(_swiglu_gated_eager, dynamic=True)
-        return _swiglu_gated_fused(h, gate)
-    return _swiglu_gated_eager(h, gate)
 
 
 # ---------------------------------------------------------------- paths: [R, D] sorted rows -> [R, D]

@@ -64,8 +64,9 @@ class PooledMLP(nn.Module):
         self.register_buffer("_diag_load", torch.zeros(n_experts, dtype=torch.long), persistent=False)
         self.register_buffer("_diag_dropped", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("_bias_load", torch.zeros(n_experts, dtype=torch.long), persistent=False)
-        self._diag_chars = 0
-        self._diag_padded = 0
+        # Counters are tensors, not Python ints: torch.compile would recompile on every new int value.
+        self.register_buffer("_diag_chars", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("_diag_padded", torch.zeros((), dtype=torch.long), persistent=False)
         self._diag_path = self.dispatch
         self.reset_parameters()
 
@@ -160,7 +161,7 @@ class PooledMLP(nn.Module):
         """Sink diagnostics since the last reset, as plain Python numbers (one host sync)."""
         load = self._diag_load.tolist()
         routed = sum(load)
-        chars = self._diag_chars
+        chars, padded = int(self._diag_chars), int(self._diag_padded)
         fair = routed / self.n_experts if routed else 0.0
         top = max(range(self.n_experts), key=load.__getitem__)
         out = {
@@ -176,11 +177,11 @@ class PooledMLP(nn.Module):
             "top_share": load[top] / chars if chars else 0.0,
             "dead": sum(1 for n in load if n == 0) if routed else 0,
             "dropped_fraction": int(self._diag_dropped) / routed if routed else 0.0,
-            "padding_ratio": self._diag_padded / routed if routed else 0.0,
+            "padding_ratio": padded / routed if routed else 0.0,
         }
         if reset:
             self._diag_load.zero_()
             self._diag_dropped.zero_()
-            self._diag_chars = 0
-            self._diag_padded = 0
+            self._diag_chars.zero_()
+            self._diag_padded.zero_()
         return out

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi import dispatch as dispatch_module  # noqa: E402
 from minagi.dispatch import PATHS, native_supported, resolve_dispatch  # noqa: E402
 from minagi.pool import PooledMLP  # noqa: E402
 
@@ -124,15 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024, help="D = F")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", default="bench_dispatch.json")
-    ap.add_argument("--eager-elementwise", action="store_true",
-                    help="run SwiGLU and gating eagerly on CUDA instead of one compiled kernel")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top kernels for each path at the largest --chars, first skew")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    if args.eager_elementwise:
-        dispatch_module.FUSE_ELEMENTWISE_ON_CUDA = False
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     D = Fw = args.width
     E, K = args.experts, args.top_k
@@ -145,7 +140,6 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "experts": E, "top_k": K, "width": D,
         "default_path": default_path, "repeat": args.repeat,
-        "fused_elementwise": device.type == "cuda" and dispatch_module.FUSE_ELEMENTWISE_ON_CUDA,
     }
     results = []
     for n_chars in args.chars:
@@ -179,7 +173,7 @@ def main(argv=None) -> int:
         profile_paths(pool, paths, max(args.chars), args.skews[0], E, K, D, device, dtype)
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"# {meta['device']}, torch {meta['torch']}, {meta['dtype']}, E={E} K={K} D=F={D}, "
-          f"default path: {default_path}, fused elementwise: {meta['fused_elementwise']}, median of {args.repeat}")
+          f"default path: {default_path}, median of {args.repeat}")
     print("| chars | skew | path | ms | routed TFLOP/s | vs dense | padded/routed | peak MiB | peak vs dense | max/fair |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

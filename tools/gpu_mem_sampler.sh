@@ -6,6 +6,9 @@ set -u
 set -o pipefail
 
 readonly PROG=gpu_mem_sampler
+# Field separator of the internal records: the ASCII unit separator. Not a tab: tabs are IFS
+# whitespace, so read would merge the empty fields that mean 'not reported'.
+readonly US=$'\x1f'
 readonly HEADER='timestamp,pid,process,dedicated,shared,local,non_local'
 
 usage() {
@@ -130,7 +133,7 @@ pid_alive() {
 name_matches() {
     # $1: executable base name. Unquoted $name on purpose: it may hold shell wildcards.
     # shellcheck disable=SC2053
-    [[ $1 == $name || $1 == $name[0-9]* ]]
+    [[ $1 == $name || $1 == ${name}[0-9]* ]]
 }
 
 trim() {
@@ -156,16 +159,27 @@ find_python() {
 }
 
 # Reads the JSON of rocm-smi (--showpids --json) or amd-smi (process --json) on stdin and prints
-# "pid<TAB>name<TAB>dedicated<TAB>shared" lines (bytes; empty = not reported).
+# records "pid name dedicated shared local non_local" split by $US (bytes; empty = not reported).
 read -r -d '' JSON_PARSER <<'PY'
 import json, re, sys
 
 kind = sys.argv[1]
+SEP = "\x1f"  # the unit separator, as in the shell part
 text = sys.stdin.read()
-start = min([i for i in (text.find("{"), text.find("[")) if i >= 0], default=-1)
-if start < 0:
-    sys.exit(0)  # no JSON at all: no processes
-data = json.loads(text[start:])
+# The tools may print warnings (even "[WARNING] ...") before the JSON: take the first position
+# that decodes. No bracket at all = no output = no processes.
+data, decoder = None, json.JSONDecoder()
+for i, ch in enumerate(text):
+    if ch in "{[":
+        try:
+            data = decoder.raw_decode(text, i)[0]
+            break
+        except ValueError:
+            continue
+if data is None:
+    if "{" in text or "[" in text:
+        sys.exit("no JSON in it: " + " ".join(text.split())[:120])
+    sys.exit(0)
 UNITS = {"b": 1, "kb": 1024, "kib": 1024, "mb": 1024**2, "mib": 1024**2,
          "gb": 1024**3, "gib": 1024**3}
 
@@ -220,8 +234,8 @@ else:
             vram, gtt = nbytes(info.get("mem_usage", info.get("mem"))), None
         rows.append((str(info["pid"]), str(info.get("name", "")), vram, gtt))
 for pid, name, ded, shared in rows:
-    name = name.replace("\t", " ").replace("\n", " ")
-    print(f"{pid}\t{name}\t{cell(ded)}\t{cell(shared)}\t\t")
+    name = name.replace(SEP, " ").replace("\n", " ")
+    print(SEP.join((pid, name, cell(ded), cell(shared), "", "")))
 PY
 
 errfile=$(mktemp "${TMPDIR:-/tmp}/$PROG.XXXXXX") || die "cannot create a temporary file"
@@ -247,8 +261,8 @@ head_line() {
     printf '%s' "$line"
 }
 
-# Fills $data with "pid<TAB>name<TAB>dedicated<TAB>shared<TAB>local<TAB>non_local" lines, one per
-# process and GPU (or per card for sysfs). Runs in the main shell so that $tool_error survives.
+# Fills $data with records "pid name dedicated shared local non_local" (fields split by $US), one
+# per process and GPU (or per card for sysfs). Runs in the main shell so that $tool_error survives.
 collect() {
     data=
     case $source in
@@ -268,7 +282,7 @@ collect() {
                 else
                     used=  # "[N/A]" (some drivers) = not reported
                 fi
-                data+="$pid"$'\t'"$pname"$'\t'"$used"$'\t\t\t\n'
+                data+="$pid$US$pname$US$used$US$US$US"$'\n'
             done <<<"$tool_out"
             ;;
         rocm-smi|amd-smi)
@@ -292,7 +306,7 @@ collect() {
                 [[ -r $card/device/mem_info_gtt_used ]] && gtt=$(trim "$(head_line "$card/device/mem_info_gtt_used")")
                 label=device
                 [[ $n -gt 1 ]] && label="device:${card##*/}"
-                data+=$'\t'"$label"$'\t'"$vram"$'\t'"$gtt"$'\t\t\n'
+                data+="$US$label$US$vram$US$gtt$US$US"$'\n'
             done <<<"$cards"
             ;;
     esac
@@ -310,7 +324,7 @@ aggregate() {
     order=()
     pname_of=() ded_sum=() sh_sum=() loc_sum=() nl_sum=()
     local pid pname ded shared loc nonloc key
-    while IFS=$'\t' read -r pid pname ded shared loc nonloc; do
+    while IFS=$US read -r pid pname ded shared loc nonloc; do
         [[ -n $pid || -n $pname ]] || continue
         key=${pid:-$pname}
         if [[ -z ${pname_of[$key]+x} ]]; then
@@ -363,7 +377,10 @@ samples=0
 rows_written=0
 sleep_pid=
 stop() {
-    [[ -n $sleep_pid ]] && kill "$sleep_pid" 2>/dev/null
+    # Kill the pending sleep (it holds our stdout open); jobs -p also finds one whose pid the
+    # signal beat into $sleep_pid.
+    local job
+    for job in $sleep_pid $(jobs -p); do kill "$job" 2>/dev/null; done
     say "$1; $samples sample(s), $rows_written row(s)${out:+ in $out}"
     exit "${2:-0}"
 }
