@@ -3,7 +3,9 @@
     python train.py                                   # cpu_tiny on a CPU, cuda_small with a GPU
     python train.py --profile h200 --data shakespeare.txt --set train.steps=20000
     python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
+    torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
 
+Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
 Exit codes: 0 done, 2 bad configuration / data / checkpoint, 3 the loss became NaN/inf, 130 Ctrl-C.
 """
 from __future__ import annotations
@@ -13,12 +15,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from minagi import devices
+from minagi import devices, distributed
 from minagi.checkpoint import CheckpointError
 from minagi.config import ConfigError, load_config
 from minagi.data import DataError
 
-USAGE_ERRORS = (ConfigError, DataError, CheckpointError, devices.DeviceError)
+USAGE_ERRORS = (ConfigError, DataError, CheckpointError, devices.DeviceError, distributed.LaunchError)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,28 +58,51 @@ def resolve(args: argparse.Namespace) -> tuple:
     return cfg, Path(profile).stem
 
 
+def _report(error: BaseException, ranks: distributed.RankInfo, joined: bool) -> None:
+    """One stderr line per error: rank 0 prints it; another rank only an error of its own (before
+    the process group is joined, every rank has read the same command line and files)."""
+    if ranks.is_main:
+        print(f"error: {error}", file=sys.stderr)
+    elif joined and not distributed.is_shared_error(error):
+        print(f"error (rank {ranks.rank}): {error}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        cfg, profile = resolve(args)
-        # Before anything touches the GPU: the allocator reads its settings at the first allocation.
-        devices.apply_alloc_conf(cfg.memory.alloc_conf)
-        from minagi.trainer import NonFiniteLossError, train
-        try:
-            result = train(cfg, profile, args.resume, argv=[sys.executable, "train.py", *argv])
-        except NonFiniteLossError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-    except USAGE_ERRORS as e:
+        ranks = distributed.rank_info()  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK; one process without
+    except distributed.LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    joined = False
+    try:
+        cfg, profile = resolve(args)
+        from minagi.trainer import NonFiniteLossError, check_world_size, train
+        check_world_size(cfg, ranks.world_size)
+        # Before anything touches the GPU: the allocator reads its settings at the first allocation.
+        devices.apply_alloc_conf(cfg.memory.alloc_conf)
+        device = devices.choose_device(cfg.train.device)
+        with distributed.process_group(ranks, device):
+            joined = True
+            try:
+                result = train(cfg, profile, args.resume, rank=ranks.rank, world_size=ranks.world_size,
+                               argv=[sys.executable, "train.py", *argv])
+            except NonFiniteLossError as e:
+                # The loss checked is the mean over ranks: every rank stops at this step; rank 0 says so.
+                if ranks.is_main:
+                    print(f"error: {e}", file=sys.stderr)
+                return 3
+    except USAGE_ERRORS as e:
+        _report(e, ranks, joined)
+        return 2
     except KeyboardInterrupt:
-        print("interrupted before training began; nothing saved", file=sys.stderr)
+        if ranks.is_main:
+            print("interrupted before training began; nothing saved", file=sys.stderr)
         return 130
     if result.interrupted:
         return 130
-    if result.heldout_bpc is not None:
+    if result.heldout_bpc is not None and ranks.is_main:
         print(f"final held-out: {result.heldout_loss:.4f} nats = {result.heldout_bpc:.4f} bits/char "
               f"(best {result.best_heldout_loss:.4f} nats) at step {result.step}; run folder {result.run_dir}")
     return 0

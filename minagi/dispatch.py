@@ -12,6 +12,7 @@ Shape legend:
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
@@ -162,20 +163,52 @@ def sorted_gates(gates_NK: Tensor, plan: DispatchPlan, dtype: torch.dtype) -> Te
     return gate_R if plan.kept_R is None else torch.where(plan.kept_R, gate_R, 0)
 
 
+class _CombineRows(torch.autograd.Function):
+    """Sum each character's K (already gated) rows; backward hands each row its character's gradient."""
+
+    @staticmethod
+    def forward(ctx, y_RD, inverse_R, token_R, top_k: int):
+        ctx.save_for_backward(token_R)
+        return y_RD.index_select(0, inverse_R).view(-1, top_k, y_RD.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (token_R,) = ctx.saved_tensors
+        return grad_ND.contiguous().index_select(0, token_R), None, None, None
+
+
 def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
     """Sum of each character's (already gated) expert outputs, back in character order: [N, D].
 
     A gather and a sum over K (no index_add), so the result is deterministic.
     """
-    return gather_rows(y_RD, plan.inverse_R, plan.order_R).view(plan.n_chars, plan.top_k, -1).sum(1)
+    return _CombineRows.apply(y_RD, plan.inverse_R, plan.token_R, plan.top_k)
 
 
-def _swiglu(h: Tensor, gate: Tensor) -> Tensor:
+def _swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
     """silu(h_gate) * h_up * gate: [..., 2F], [...] -> [..., F]. Gating here is linear, so it equals
-    gating the expert's output, and spares the combine a pass over [R, D] and its backward.
-    (A torch.compile-fused version was slower on the H200: docs/LOG.md.)"""
+    gating the expert's output, and spares the combine a pass over [R, D] and its backward."""
     h_gate, h_up = h.chunk(2, dim=-1)
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
+
+
+# The native path's SwiGLU on CUDA runs as one torch.compile'd function (Triton kernels, static
+# shapes: the native path's shapes are fixed for a training config): eager, its five elementwise
+# passes over [R, F] cost half as much as the grouped GEMMs (8.4 -> 6.3 ms at 16,384 characters
+# on the H200, docs/LOG.md). The bucketed path keeps eager ops: its shapes change every call.
+# "auto": compiled where Triton is importable; "eager": never (tools/bench_dispatch.py --swiglu).
+NATIVE_SWIGLU = "auto"
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+_swiglu_compiled = None
+
+
+def _native_swiglu(h: Tensor, gate: Tensor) -> Tensor:
+    global _swiglu_compiled
+    if h.is_cuda and NATIVE_SWIGLU == "auto" and _TRITON_AVAILABLE:
+        if _swiglu_compiled is None:
+            _swiglu_compiled = torch.compile(_swiglu_eager, dynamic=False)
+        return _swiglu_compiled(h, gate)
+    return _swiglu_eager(h, gate)
 
 
 # ---------------------------------------------------------------- paths: [R, D] sorted rows -> [R, D]
@@ -190,7 +223,7 @@ def run_loop(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tenso
     for e, (start, total, n) in enumerate(zip(plan.starts_E.tolist(), counts, kept)):
         if n > 0:
             h = x_RD[start:start + n] @ gate_up_EDF2[e]
-            pieces.append(_swiglu(h, gate_R[start:start + n]) @ down_EFD[e])
+            pieces.append(_swiglu_eager(h, gate_R[start:start + n]) @ down_EFD[e])
         if total > n:
             pieces.append(x_RD.new_zeros(total - n, down_EFD.shape[-1]))
     stats["padded_rows"] = sum(kept)
@@ -203,7 +236,7 @@ def run_native(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Ten
     offs_E = plan.counts_E.cumsum(0).to(torch.int32)
     h_RF2 = GROUPED_MM(x_RD, gate_up_EDF2, offs=offs_E)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return GROUPED_MM(_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E)
+    return GROUPED_MM(_native_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E)
 
 
 def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
@@ -262,7 +295,7 @@ def run_padded(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Ten
     for (cap, _), g, x_flat, gate_flat, gate_up_g, down_g in zip(
             groups, sizes, x_PD.split(slots), gate_P.split(slots), gate_up_G.split(sizes), down_G.split(sizes)):
         h_GCF2 = torch.bmm(x_flat.view(g, cap, -1), gate_up_g)
-        act_GCF = _swiglu(h_GCF2, gate_flat.view(g, cap))
+        act_GCF = _swiglu_eager(h_GCF2, gate_flat.view(g, cap))
         outputs.append(torch.bmm(act_GCF, down_g).view(g * cap, -1))
     stats["padded_rows"] = padded
     y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]

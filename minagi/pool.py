@@ -158,10 +158,17 @@ class PooledMLP(nn.Module):
 
     @torch.no_grad()
     def read_diagnostics(self, reset: bool = True) -> dict:
-        """Sink diagnostics since the last reset, as plain Python numbers (one host sync)."""
-        load = self._diag_load.tolist()
+        """Sink diagnostics since the last reset, as plain Python numbers (one host sync).
+
+        With a `count_reducer` (DDP) the counters are summed over ranks first, so every rank reads
+        the whole job's routing; that is a collective: every rank must call this alike.
+        """
+        counters = torch.cat([self._diag_load, torch.stack([self._diag_dropped, self._diag_chars,
+                                                            self._diag_padded])])  # [E + 3]
+        if self.count_reducer is not None:
+            counters = self.count_reducer(counters)
+        *load, dropped, chars, padded = counters.tolist()
         routed = sum(load)
-        chars, padded = int(self._diag_chars), int(self._diag_padded)
         fair = routed / self.n_experts if routed else 0.0
         top = max(range(self.n_experts), key=load.__getitem__)
         out = {
@@ -176,7 +183,7 @@ class PooledMLP(nn.Module):
             # An expert is picked at most once per character, so its load counts characters.
             "top_share": load[top] / chars if chars else 0.0,
             "dead": sum(1 for n in load if n == 0) if routed else 0,
-            "dropped_fraction": int(self._diag_dropped) / routed if routed else 0.0,
+            "dropped_fraction": dropped / routed if routed else 0.0,
             "padding_ratio": padded / routed if routed else 0.0,
         }
         if reset:

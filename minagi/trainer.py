@@ -5,8 +5,13 @@ function of the step number, so a resumed run continues at exactly the data posi
 on the CPU reproduces the uninterrupted run's losses. Every `eval_every` steps and at the end: the
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved.
 
-DDP-ready: `rank`/`world_size` select this rank's shard of every batch, only rank 0 (`is_main`)
-writes files, and `_mean_over_ranks` is where the cross-rank reduction goes.
+Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): with `world_size` > 1 the process
+group must be joined (train.py does it, minagi.distributed). `train.batch_size` stays the global
+batch: rank r trains on its `batch_size // world_size` rows of every step's batch, DDP averages the
+gradients, and the routing counts (balance term, aux-free bias, sink diagnostics) are summed over
+ranks, so N ranks train the run one process would. Rank 0 alone writes the run folder; every rank
+resumes from its last.pt. The run name, the run folder check and the checkpoint are decided on
+rank 0 and shared, so ranks go on, or fail, together.
 """
 from __future__ import annotations
 
@@ -20,14 +25,16 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from . import devices
+from torch.nn.parallel import DistributedDataParallel
+
+from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from .config import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict
 from .data import Vocab, get_batch, heldout_batches, load_corpus
 from .model import build_model
 from .runlog import HISTORY_FIELDS, History, read_run_info, write_run_info
 
-__all__ = ["NonFiniteLossError", "TrainResult", "lr_factor", "resume_config", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "check_world_size", "lr_factor", "resume_config", "train"]
 
 LN2 = math.log(2.0)
 # The only setting a resumed run may change: extending it. Anything else would make the checkpoint
@@ -91,13 +98,43 @@ def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
                                   "change on resume", f"{section}.{key}")
 
 
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """train.batch_size is the global batch: it must split evenly over the ranks."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
+                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
+                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+
+
 def _mean_over_ranks(total: float, count: int, device: torch.device, world_size: int) -> float:
-    """Mean of per-rank sums; the one cross-rank reduction the loop needs (identity on one rank)."""
-    if world_size > 1 and torch.distributed.is_initialized():
+    """Mean of per-rank sums over per-rank counts (identity on one rank)."""
+    if world_size > 1:
         t = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t)
-        total, count = t.tolist()
+        total, count = distributed.mean_over_ranks(t, world_size).tolist()  # the ratio of sums
     return total / count
+
+
+def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
+    """last.pt of the run to resume, checked against `cfg` and `train.steps`."""
+    ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
+    _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
+                          str(run_dir / "last.pt"))
+    if ckpt["step"] >= cfg.train.steps:
+        raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
+                          f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
+    return ckpt
+
+
+def _new_run_name(cfg: Config, profile_name: str) -> str:
+    """train.run_name or <profile>-<timestamp>, refusing a folder that already holds a run."""
+    tc = cfg.train
+    run_name = tc.run_name or f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(tc.out_dir) / run_name
+    history_path = run_dir / "history.jsonl"
+    if (run_dir / "last.pt").exists() or (history_path.exists() and history_path.stat().st_size):
+        raise ConfigError(f"train.run_name: {run_dir} already holds a run; resume it with "
+                          f"--resume {run_dir} or choose another --run-name", "train.run_name")
+    return run_name
 
 
 @torch.no_grad()
@@ -130,34 +167,29 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
     is_main = rank == 0
     tc, mc = cfg.train, cfg.model
     say = (log or (lambda msg: tqdm.write(msg, file=sys.stdout))) if is_main else (lambda msg: None)
+    check_world_size(cfg, world_size)
     device = devices.choose_device(tc.device)
-    if tc.batch_size % world_size:
-        raise ConfigError(f"train.batch_size = {tc.batch_size} is not a multiple of the {world_size} "
-                          "ranks", "train.batch_size")
+    if world_size > 1 and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, made current at init
 
-    # --- the run folder and, on resume, the checkpoint
+    # --- the run folder and, on resume, the checkpoint: decided on rank 0, shared with the others
     ckpt = None
     if resume is not None:
         run_dir = Path(resume)
-        ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
-        _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
-                              str(run_dir / "last.pt"))
-        if ckpt["step"] >= tc.steps:
-            raise ConfigError(f"train.steps = {tc.steps}: the run in {run_dir} is already at step "
-                              f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
+        # Every rank loads last.pt (rank 0 first: a bad file is one error, raised on all ranks).
+        ckpt = distributed.main_first(lambda: _open_checkpoint(run_dir, cfg), rank, world_size)
         vocab = Vocab.from_chars(ckpt["vocab"])
         run_name = ckpt["run_name"]
     else:
-        # DDP: rank 0 must choose the name and broadcast it (timestamps differ between ranks).
-        run_name = tc.run_name or f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # Timestamps may differ between ranks: rank 0 names the run for all.
+        run_name = distributed.from_main(lambda: _new_run_name(cfg, profile_name), rank, world_size)
         run_dir = Path(tc.out_dir) / run_name
-        history_path = run_dir / "history.jsonl"
-        if (run_dir / "last.pt").exists() or (history_path.exists() and history_path.stat().st_size):
-            raise ConfigError(f"train.run_name: {run_dir} already holds a run; resume it with "
-                              f"--resume {run_dir} or choose another --run-name", "train.run_name")
         vocab = None
 
-    corpus = load_corpus(cfg.data.path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab)
+    # Rank 0 encodes and caches the corpus; the others then read its cache entry.
+    corpus = distributed.main_first(
+        lambda: load_corpus(cfg.data.path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab),
+        rank, world_size)
     vocab = corpus.vocab
     eval_batches = heldout_batches(corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
                                    tc.seed, rank, world_size)
@@ -187,9 +219,20 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
         since, wall_s = meter["since"], meter["wall_s"]
         del ckpt  # the model and optimizer hold copies; free the CPU one
     start_step = step
-    # Forward-only compile; the optimizer, saving and evaluation use the plain module, so state
-    # dicts never carry `_orig_mod.` prefixes.
-    forward = torch.compile(model) if tc.compile else model
+    # The training forward goes through DDP (and compile); the optimizer, saving, evaluation,
+    # diagnostics and the bias step use the plain module, so state dicts carry no `module.` or
+    # `_orig_mod.` prefixes.
+    forward = model
+    if world_size > 1:
+        distributed.install_count_reducers(model)
+        # find_unused_parameters is not needed: an expert stack is one parameter, and every dispatch
+        # path gives all of it a gradient (zeros for idle experts) whenever the pool routes a row.
+        # Frozen parameters (requires_grad False) are left out of DDP's buckets by DDP itself.
+        # broadcast_buffers=False: the buffers are routing counters, reduced where they are read,
+        # and the selection bias, kept identical by reduced loads; rank 0's must not overwrite them.
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                          broadcast_buffers=False, gradient_as_bucket_view=True)
+    forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     chars_per_step = tc.batch_size * mc.context
 
@@ -230,8 +273,11 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             # The one host sync per step: the bar needs the loss, and a NaN must stop the update.
-            ce, aux, gnorm = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(),
-                                          norm.detach().float()]).tolist()
+            # Mean over ranks: the loss of the global batch, and every rank stops on the same step
+            # (the gradient norm is already the same everywhere: DDP averaged the gradients).
+            stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(),
+                                 norm.detach().float()])
+            ce, aux, gnorm = distributed.mean_over_ranks(stats.double(), world_size).tolist()
             if not (math.isfinite(ce) and math.isfinite(aux) and math.isfinite(gnorm)):
                 what = "loss" if not math.isfinite(ce + aux) else "gradient norm"
                 raise NonFiniteLossError(
@@ -261,7 +307,8 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                 bar.update(1)
 
             if step % tc.eval_every == 0 or step == tc.steps:
-                diagnostics = model.sink_diagnostics(reset=True)  # training steps' routing only
+                # Collectives follow (diagnostics, held-out): every rank runs this block.
+                diagnostics = model.sink_diagnostics(reset=True)  # training steps' routing, all ranks
                 heldout = _evaluate(model, eval_batches, device, world_size)
                 model.sink_diagnostics(reset=True)                # drop the evaluation's routing
                 if not math.isfinite(heldout):

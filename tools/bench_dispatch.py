@@ -1,7 +1,8 @@
 """Benchmark PooledMLP dispatch paths: forward + backward of one pool over a routing-skew sweep.
 
-Each case is timed beside a dense SwiGLU MLP doing the same routed FLOPs (R = T*K rows through one
-expert-sized MLP) in the same run, so `vs_dense` is a ratio measured side by side.
+Each case is timed beside two baselines of the same routed FLOPs, in the same run: a dense SwiGLU MLP
+over R = T*K rows (`vs_dense`: the same work without routing) and its six GEMMs alone (`vs_matmul`:
+the matmul floor, no elementwise work). Ratios > 1 mean faster than the baseline.
 
     python tools/bench_dispatch.py                      # the H200 sweep of docs/benchmarks.md
     python tools/bench_dispatch.py --device cpu --chars 64 --experts 8 --top-k 2 --width 32 --repeat 2
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minagi import dispatch as dispatch_module  # noqa: E402
 from minagi.dispatch import PATHS, native_supported, resolve_dispatch  # noqa: E402
 from minagi.pool import PooledMLP  # noqa: E402
 
@@ -85,6 +87,23 @@ def dense_step(rows: int, width: int, expert_width: int, device, dtype):
     return step
 
 
+def matmul_step(rows: int, width: int, expert_width: int, device, dtype):
+    """Only the six GEMMs of that forward + backward (no activation, no autograd): the matmul floor."""
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+    x, w1, w2 = rand(rows, width), rand(width, 2 * expert_width), rand(expert_width, width)
+    act, grad_y, grad_h = rand(rows, expert_width), rand(rows, width), rand(rows, 2 * expert_width)
+
+    def step():
+        torch.mm(x, w1)                 # h = x W1
+        torch.mm(act, w2)               # y = act W2
+        torch.mm(grad_y, w2.t())        # d act
+        torch.mm(act.t(), grad_y)       # d W2
+        torch.mm(x.t(), grad_h)         # d W1
+        torch.mm(grad_h, w1.t())        # d x
+    return step
+
+
 def pool_step(pool: PooledMLP, path: str, x, ids, gates, grad_out):
     def step():
         y = pool.experts_forward(x, ids, gates, path=path)
@@ -123,11 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024, help="D = F")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", default="bench_dispatch.json")
+    ap.add_argument("--swiglu", choices=["auto", "eager"], default="auto",
+                    help="the native path's SwiGLU on CUDA: auto = torch.compile'd where Triton is present")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top kernels for each path at the largest --chars, first skew")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    dispatch_module.NATIVE_SWIGLU = args.swiglu
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     D = Fw = args.width
     E, K = args.experts, args.top_k
@@ -139,13 +161,14 @@ def main(argv=None) -> int:
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "experts": E, "top_k": K, "width": D,
-        "default_path": default_path, "repeat": args.repeat,
+        "default_path": default_path, "repeat": args.repeat, "swiglu": args.swiglu,
     }
     results = []
     for n_chars in args.chars:
         rows = n_chars * K
         flops = 18 * D * Fw * rows  # fwd 6*D*F per routed row, bwd twice that
         dense_ms, dense_peak = timed(dense_step(rows, D, Fw, device, dtype), args.repeat, device)
+        matmul_ms, _ = timed(matmul_step(rows, D, Fw, device, dtype), args.repeat, device)
         for skew in args.skews:
             ids, gates = make_routing(skew, n_chars, E, K, gen)
             ids, gates = ids.to(device), gates.to(device=device, dtype=dtype).requires_grad_()
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
                 diag = pool.read_diagnostics(reset=True)
                 row = {
                     "chars": n_chars, "skew": skew, "path": path, "ms": ms, "tflops": flops / ms / 1e9,
-                    "dense_ms": dense_ms, "vs_dense": dense_ms / ms, "padding_ratio": diag["padding_ratio"],
+                    "dense_ms": dense_ms, "vs_dense": dense_ms / ms,
+                    "matmul_ms": matmul_ms, "vs_matmul": matmul_ms / ms, "padding_ratio": diag["padding_ratio"],
                     "peak_bytes": peak, "dense_peak_bytes": dense_peak,
                     "peak_vs_dense": peak / dense_peak if dense_peak else None,
                     "max_over_fair": load.max().item() / (rows / E), "default": path == default_path,
@@ -174,12 +198,12 @@ def main(argv=None) -> int:
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"# {meta['device']}, torch {meta['torch']}, {meta['dtype']}, E={E} K={K} D=F={D}, "
           f"default path: {default_path}, median of {args.repeat}")
-    print("| chars | skew | path | ms | routed TFLOP/s | vs dense | padded/routed | peak MiB | peak vs dense | max/fair |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| chars | skew | path | ms | routed TFLOP/s | vs dense MLP | vs matmuls | padded/routed | peak MiB | peak vs dense | max/fair |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         pvd = f"{r['peak_vs_dense']:.2f}" if r["peak_vs_dense"] is not None else "-"
         print(f"| {r['chars']} | {r['skew']} | {r['path']}{' *' if r['default'] else ''} | {r['ms']:.3f} | "
-              f"{r['tflops']:.1f} | {r['vs_dense']:.2f} | {r['padding_ratio']:.2f} | "
+              f"{r['tflops']:.1f} | {r['vs_dense']:.2f} | {r['vs_matmul']:.2f} | {r['padding_ratio']:.2f} | "
               f"{r['peak_bytes'] / 2**20:.0f} | {pvd} | {r['max_over_fair']:.1f} |")
     return 0
 

@@ -1,0 +1,203 @@
+"""Multi-process training under torchrun: the rank variables, the process group, and the few
+collectives the trainer needs.
+
+    torchrun --nproc_per_node=N train.py --profile ...     # DDP: NCCL on GPUs, gloo on the CPU
+
+This is the one module under minagi/ that reads the environment (GUIDE convention 1): torchrun
+hands every worker RANK, WORLD_SIZE and LOCAL_RANK (`rank_info`); MASTER_ADDR / MASTER_PORT are read
+by torch's own `env://` rendezvous. Without them there is one process and nothing here does
+anything: every helper is the identity for world_size 1.
+
+Setup decisions (the run name, whether the run folder is free, the checkpoint to resume, the corpus
+cache) are taken on rank 0 and shared, so every rank goes on, or fails with rank 0's error, together
+(`from_main`, `main_first`); a rank that stopped alone would leave the others waiting in a collective.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
+           "init_process_group", "install_count_reducers", "is_shared_error", "main_first",
+           "mean_over_ranks", "process_group", "rank_info"]
+
+T = TypeVar("T")
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# Set on an exception a rank re-raises because rank 0 raised it: only rank 0 needs to print it.
+_SHARED_ATTR = "minagi_raised_on_rank0"
+
+
+class LaunchError(RuntimeError):
+    """torchrun's rank variables are missing or inconsistent, or a rank has no device (one line)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int = 0            # this process among all of the job's
+    world_size: int = 1      # processes in the job
+    local_rank: int = 0      # this process among those of its machine: its GPU index
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """This process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK); one process without them."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return RankInfo()
+    try:
+        values = {name: int(env.get(name, "0")) for name in _RANK_VARS}
+    except ValueError:
+        shown = ", ".join(f"{n}={env.get(n)!r}" for n in _RANK_VARS)
+        raise LaunchError(f"torchrun's rank variables must be integers; got {shown}") from None
+    rank, world_size, local_rank = (values[n] for n in _RANK_VARS)
+    if world_size < 1 or not 0 <= rank < world_size or not 0 <= local_rank <= rank:
+        raise LaunchError(f"inconsistent rank variables RANK={rank} WORLD_SIZE={world_size} "
+                          f"LOCAL_RANK={local_rank}; launch with torchrun --nproc_per_node=N")
+    return RankInfo(rank, world_size, local_rank)
+
+
+# ---------------------------------------------------------------------------- the process group
+
+def init_process_group(info: RankInfo, device: torch.device) -> torch.device:
+    """Join the job's process group (NCCL for CUDA, gloo for the CPU); returns this rank's device.
+
+    On CUDA each rank takes GPU LOCAL_RANK and makes it current, so "cuda" means that GPU from here
+    on (collectives, broadcast_object_list and the trainer's tensors all land there).
+    """
+    if not info.distributed:
+        return device
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if info.local_rank >= visible:
+            raise LaunchError(f"LOCAL_RANK {info.local_rank} has no GPU: {visible} visible; use "
+                              f"torchrun --nproc_per_node <= {visible}")
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        # device_id binds the communicator to this GPU now (no guessing in barrier / first collective).
+        dist.init_process_group("nccl", rank=info.rank, world_size=info.world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
+    return device
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(info: RankInfo, device: torch.device) -> Iterator[torch.device]:
+    """`init_process_group` ... `destroy_process_group`, also on errors; identity on one process."""
+    device = init_process_group(info, device)
+    try:
+        yield device
+    finally:
+        if info.distributed:
+            destroy_process_group()
+
+
+def _active(world_size: int) -> bool:
+    if world_size <= 1:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LaunchError(f"world_size {world_size} needs the process group: launch with torchrun "
+                          "(train.py joins it) or call minagi.distributed.init_process_group first")
+    if dist.get_world_size() != world_size:
+        raise LaunchError(f"world_size {world_size} but the process group has {dist.get_world_size()} ranks")
+    return True
+
+
+# ---------------------------------------------------------------------------- reductions
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """The sum over ranks of `t`, as a new tensor (`t` stays this rank's).
+
+    PooledMLP.count_reducer: called inside the forward on detached counts, the same number of times
+    on every rank (every pool routes every call), so it is an ordinary collective for DDP.
+    """
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def install_count_reducers(model: torch.nn.Module) -> None:
+    """Make every pool reduce its routing counts over ranks (balance term f_i, aux-free bias loads,
+    sink diagnostics), so all ranks see the global batch's routing and select experts alike."""
+    for pool in model.pools():
+        pool.count_reducer = all_reduce_sum
+
+
+def mean_over_ranks(t: Tensor, world_size: int) -> Tensor:
+    """Element-wise mean over ranks of a small tensor (identity on one process)."""
+    if not _active(world_size):
+        return t
+    return all_reduce_sum(t) / world_size
+
+
+# ---------------------------------------------------------------------------- decisions taken on rank 0
+
+def _shareable(error: BaseException) -> BaseException:
+    """The error itself if it survives pickling (the broadcast), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # any pickling failure: fall back to the message
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _outcome_of_main(fn: Callable[[], T], rank: int, want_value: bool) -> tuple[bool, T | None]:
+    """Run fn on rank 0; every rank learns whether it succeeded (and, if want_value, its value).
+    Raises rank 0's exception on every rank when it failed."""
+    value, error = None, None
+    if rank == 0:
+        try:
+            value = fn()
+        except Exception as e:  # handed to every rank below, then re-raised on rank 0 as itself
+            error = e
+    box = [(_shareable(error) if error is not None else None, value if want_value else None)]
+    dist.broadcast_object_list(box, src=0)
+    shared_error, shared_value = box[0]
+    if shared_error is not None:
+        if rank == 0:
+            raise error
+        setattr(shared_error, _SHARED_ATTR, True)
+        raise shared_error
+    return rank == 0, value if rank == 0 else shared_value
+
+
+def from_main(fn: Callable[[], T], rank: int, world_size: int) -> T:
+    """fn() run on rank 0 only; every rank returns its (picklable) value or raises its exception."""
+    if not _active(world_size):
+        return fn()
+    return _outcome_of_main(fn, rank, want_value=True)[1]
+
+
+def main_first(fn: Callable[[], T], rank: int, world_size: int) -> T:
+    """fn() on rank 0, then, if it succeeded, on every other rank (each returns its own value).
+
+    For work with a side effect the others can reuse (the corpus cache) or that fails the same way
+    everywhere (a bad checkpoint): rank 0's error is raised on every rank, once decided.
+    """
+    if not _active(world_size):
+        return fn()
+    ran, value = _outcome_of_main(fn, rank, want_value=False)
+    return value if ran else fn()
+
+
+def is_shared_error(error: BaseException) -> bool:
+    """True when this rank raised `error` because rank 0 did (rank 0 reports it; the others need not)."""
+    return bool(getattr(error, _SHARED_ATTR, False))

@@ -1,0 +1,306 @@
+"""Sampling: the KV-cache path against full recomputation, sliding, seeds, and the sample.py entry point.
+
+The checkpoint is a tiny 2-row CPU model (context 16) built and saved with the trainer's payload keys,
+its attention and output weights scaled up so that positions matter and the next-character
+distribution is peaked: a cache that put a key at the wrong position, or a slide that kept the
+wrong characters, changes the logits well beyond rounding.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample as sample_py
+from minagi import sampling
+from minagi.checkpoint import capture_rng_state, save_checkpoint
+from minagi.config import config_to_dict, load_config
+from minagi.data import Vocab, VocabError
+from minagi.loading import load_trained
+from minagi.model import CharLM, build_model
+from minagi.sampling import SamplingError, default_keep, default_prompt, generate
+
+REPO = Path(__file__).resolve().parent.parent
+CONTEXT = 16
+TEXT = "the quick brown fox jumps over the lazy dog.\nTHE END; 0123456789!\n"
+TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
+        "model.n_experts=4", "model.top_k=2", "model.d_expert=32", "train.device=cpu"]
+
+
+def _payload(model: CharLM, cfg, vocab: Vocab) -> dict:
+    """What minagi.trainer saves (trainer.payload), for a model that never trained."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": {},
+            "rng": capture_rng_state(), "config": config_to_dict(cfg), "vocab": vocab.chars, "step": 0,
+            "best_heldout_loss": float("inf"), "run_name": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    cfg = load_config(None, TINY)
+    vocab = Vocab.from_text(TEXT)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, vocab.size, "cpu")
+    with torch.no_grad():
+        for row in model.rows:
+            row.attn.qkv.weight.mul_(25)   # sharp attention: positions (RoPE, cache slots) matter
+        model.head.weight.mul_(30)         # logits with a spread of a few nats
+    save_checkpoint(run_dir / "last.pt", _payload(model, cfg, vocab))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir):
+    return load_trained(run_dir / "last.pt")[:2]
+
+
+def _write(model, vocab, prompt="the ", n=40, **kwargs) -> str:
+    kwargs = {"temperature": 1.0, "top_k": 0, "seed": 7, **kwargs}
+    return "".join(generate(model, vocab, prompt, n, **kwargs))
+
+
+def _logits_seen(monkeypatch, model, vocab, **kwargs) -> tuple[str, list[torch.Tensor]]:
+    """The text, and the logits each character was sampled from."""
+    seen = []
+    real_pick = sampling._pick
+
+    def pick(logits_V, *args):
+        seen.append(logits_V.clone())
+        return real_pick(logits_V, *args)
+    monkeypatch.setattr(sampling, "_pick", pick)
+    return _write(model, vocab, **kwargs), seen
+
+
+# ------------------------------------------------------------------------------ cache == recomputation
+
+@pytest.mark.parametrize("n, keep", [(12, None), (60, None), (60, CONTEXT - 1), (45, 1)],
+                         ids=["inside-window", "sliding-default-keep", "sliding-keep-window-minus-1",
+                              "sliding-keep-1"])
+def test_cached_generation_equals_full_recomputation_in_characters_and_logits(trained, monkeypatch, n, keep):
+    model, vocab = trained
+    cached, cached_logits = _logits_seen(monkeypatch, model, vocab, n=n, keep=keep)
+    full, full_logits = _logits_seen(monkeypatch, model, vocab, n=n, keep=keep, use_cache=False)
+    assert len(cached) == n and cached == full
+    for step, (a, b) in enumerate(zip(cached_logits, full_logits)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"character {step}")
+    # The model does depend on where it is: the same character later in the window reads differently.
+    assert not torch.allclose(cached_logits[0], cached_logits[-1], atol=1e-2)
+
+
+def test_keep_equal_to_window_is_nanogpt_cropping_to_the_last_context_characters(trained):
+    model, vocab = trained
+    prompt, n = "the quick", 40
+    ids = list(vocab.encode(prompt))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(n):  # nanoGPT's sample loop: crop, full forward, sample the last position
+            logits = model(torch.tensor([ids[-CONTEXT:]], dtype=torch.long)).logits[0, -1]
+            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+    expected = vocab.decode(ids[len(prompt):])
+    assert _write(model, vocab, prompt, n, seed=3, keep=CONTEXT) == expected
+
+
+def test_cache_is_prefilled_once_then_fed_one_position_per_step_and_reprefilled_with_keep_on_slide(
+        trained, monkeypatch):
+    model, vocab = trained
+    fed = []
+    real_forward = CharLM.forward
+
+    def forward(self, idx_BT, targets_BT=None, cache=None):
+        fed.append((idx_BT.shape[1], cache.length if cache is not None else None))
+        return real_forward(self, idx_BT, targets_BT, cache)
+    monkeypatch.setattr(CharLM, "forward", forward)
+    window, keep, n = 8, 5, 14
+    _write(model, vocab, "abc", n, window=window, keep=keep)
+    # prompt 3 -> fills to 8 after 5 steps; the 6th new character slides: 5 re-fed, then 3 steps fill
+    # it again; the 10th slides; ... The last character needs no forward.
+    assert fed == [(3, 0), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7),
+                   (5, 0), (1, 5), (1, 6), (1, 7),
+                   (5, 0), (1, 5), (1, 6), (1, 7)]
+
+
+def test_prompt_longer_than_the_window_conditions_on_its_last_window_characters(trained):
+    model, vocab = trained
+    long_prompt = "the quick brown fox jumps over"
+    assert _write(model, vocab, long_prompt, 30) == _write(model, vocab, long_prompt[-CONTEXT:], 30)
+
+
+def test_writing_is_dropless_and_leaves_the_model_as_it_found_it(trained, monkeypatch):
+    model, vocab = trained
+    for pool in model.pools():
+        monkeypatch.setattr(pool, "capacity_factor", 0.5)  # would drop in a prefill, never in a step
+    model.train()
+    try:
+        chars = generate(model, vocab, "the lazy dog.", 20, temperature=1.0)
+        first = next(chars)  # between two characters the caller's own state is in force
+        assert torch.is_grad_enabled() and model.training
+        assert all(pool.capacity_factor == 0.5 for pool in model.pools())
+        cached = first + "".join(chars)
+        assert cached == _write(model, vocab, "the lazy dog.", 20, temperature=1.0, seed=1337, use_cache=False)
+        assert model.training and all(pool.capacity_factor == 0.5 for pool in model.pools())
+    finally:
+        model.eval()
+
+
+# ------------------------------------------------------------------------------ seeds and temperature
+
+def test_greedy_is_deterministic_ignores_the_seed_and_equals_top_k_1(trained):
+    model, vocab = trained
+    greedy = _write(model, vocab, n=50, temperature=0.0, seed=1)
+    assert greedy == _write(model, vocab, n=50, temperature=0.0, seed=1)
+    assert greedy == _write(model, vocab, n=50, temperature=0.0, seed=2)
+    assert greedy == _write(model, vocab, n=50, temperature=1.0, top_k=1, seed=3)
+
+
+def test_same_seed_writes_the_same_text_and_another_seed_another(trained):
+    model, vocab = trained
+    first = _write(model, vocab, n=50, seed=11)
+    assert first == _write(model, vocab, n=50, seed=11)
+    assert first != _write(model, vocab, n=50, seed=12)
+
+
+def test_top_k_only_ever_writes_one_of_the_k_likeliest_characters(trained, monkeypatch):
+    model, vocab = trained
+    text, logits = _logits_seen(monkeypatch, model, vocab, n=40, top_k=3, temperature=2.0)
+    for char, logits_V in zip(text, logits):
+        assert vocab.chars.index(char) in torch.topk(logits_V, 3).indices.tolist()
+
+
+def test_zero_characters_yields_nothing_and_the_default_prompt_is_a_newline(trained):
+    model, vocab = trained
+    assert list(generate(model, vocab, "a", 0, 0.8, 0, 1337, "cpu")) == []
+    assert default_prompt(vocab) == "\n" and default_prompt(Vocab("xyz")) == "x"
+    assert default_keep(16) == 14 and default_keep(512) == 448 and default_keep(1) == 1
+
+
+def test_bad_arguments_fail_when_generate_is_called_not_at_the_first_character(trained):
+    model, vocab = trained
+    with pytest.raises(VocabError, match="'☃' x2"):
+        generate(model, vocab, "☃ the ☃", 5)
+    for kwargs, match in [({"n_chars": -1}, "characters must be >= 0"),
+                          ({"temperature": -0.5}, "temperature must be"),
+                          ({"temperature": float("nan")}, "temperature must be"),
+                          ({"top_k": -2}, "top_k must be >= 0"),
+                          ({"window": CONTEXT + 1}, r"window must be 1\.\.16"),
+                          ({"window": 8, "keep": 9}, r"keep must be 1\.\.8"),
+                          ({"prompt": ""}, "prompt is empty")]:
+        args = {"prompt": "the", "n_chars": 5, **kwargs}
+        with pytest.raises(SamplingError, match=match):
+            generate(model, vocab, **args)
+
+
+# ------------------------------------------------------------------------------ sample.py
+
+def _sample_py(*args, timeout=120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, encoding="utf-8", timeout=timeout, env=env)
+
+
+def test_sample_py_end_to_end_echoes_the_prompt_then_exactly_chars_characters(run_dir, trained):
+    done = _sample_py(run_dir / "last.pt", "--prompt", "the ", "--chars", 70, "--seed", 5, "--top-k", 5)
+    assert done.returncode == 0, done.stderr
+    model, vocab = trained
+    expected = "".join(generate(model, vocab, "the ", 70, 0.8, 5, 5, "cpu"))
+    assert done.stdout == "the " + expected
+    assert done.stderr.strip().splitlines()[-1].startswith("wrote 70 chars in ")
+    assert "char/s)" in done.stderr
+
+
+def test_sample_py_reads_a_run_folder_as_its_best_pt_else_last_pt(run_dir, tmp_path, capsys):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "last.pt").write_bytes((run_dir / "last.pt").read_bytes())
+    assert sample_py.resolve_checkpoint(str(folder)) == folder / "last.pt"
+    (folder / "best.pt").write_bytes((run_dir / "last.pt").read_bytes())
+    assert sample_py.resolve_checkpoint(str(folder)) == folder / "best.pt"
+    assert sample_py.main([str(folder), "--chars", "9", "--no-echo", "--temperature", "0"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out) == 9 and f"{folder / 'best.pt'}: step 0" in out.err
+    assert sample_py.main([str(tmp_path)]) == 2  # a folder without either
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path}: no best.pt or last.pt in this folder"]
+
+
+def test_sample_py_flushes_every_character_as_it_is_written(run_dir, monkeypatch, capsys):
+    class Recorder:
+        def __init__(self):
+            self.events = []
+
+        def write(self, text):
+            self.events.append(("write", text))
+
+        def flush(self):
+            self.events.append(("flush", None))
+
+        def isatty(self):
+            return False
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert sample_py.main([str(run_dir / "last.pt"), "--chars", "20", "--prompt", "the"]) == 0
+    writes = [i for i, (kind, _) in enumerate(out.events) if kind == "write"]
+    assert out.events[0] == ("write", "the")
+    assert len(writes) == 21 and all(out.events[i + 1][0] == "flush" for i in writes)
+    assert "wrote 20 chars" in capsys.readouterr().err
+
+
+def _half_file(run_dir, tmp_path):
+    data = (run_dir / "last.pt").read_bytes()
+    path = tmp_path / "half.pt"
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+def _text_file(run_dir, tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("just some notes, not a checkpoint\n")
+    return path
+
+
+def _tensor_file(run_dir, tmp_path):
+    path = tmp_path / "tensor.pt"
+    torch.save(torch.arange(10), path)
+    return path
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda run_dir, tmp_path: tmp_path / "missing.pt", "no such checkpoint file"),
+    (_half_file, "truncated or corrupt"),
+    (_text_file, "truncated or corrupt"),
+    (_tensor_file, "not a minagi checkpoint"),
+], ids=["missing", "truncated", "text-file", "plain-tensor"])
+def test_sample_py_bad_checkpoint_is_one_stderr_line_naming_the_file_and_exit_2(run_dir, tmp_path, make, says):
+    path = make(run_dir, tmp_path)
+    done = _sample_py(path, "--chars", 5)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and says in lines[0], done.stderr
+    assert done.stdout == ""
+
+
+def test_sample_py_prompt_outside_the_vocabulary_is_one_line_naming_the_characters_and_exit_2(run_dir):
+    done = _sample_py(run_dir / "last.pt", "--prompt", "the ☃ and é")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --prompt:"), done.stderr
+    assert "'☃' x1" in lines[0] and "'é' x1" in lines[0] and done.stdout == ""
+
+
+@pytest.mark.parametrize("args, says", [(["--chars", "-3"], "--chars: must be >= 0"),
+                                        (["--temperature", "-0.1"], "--temperature: must be a finite"),
+                                        (["--top-k", "-1"], "--top-k: must be >= 0"),
+                                        (["--chars", "many"], "--chars: expected a whole number")])
+def test_sample_py_negative_or_malformed_numbers_exit_2_naming_the_option(run_dir, capsys, args, says):
+    with pytest.raises(SystemExit) as exit_:
+        sample_py.main([str(run_dir / "last.pt"), *args])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_sample_py_window_larger_than_the_context_is_one_line_and_exit_2(run_dir, capsys):
+    assert sample_py.main([str(run_dir / "last.pt"), "--window", str(CONTEXT + 1)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: window must be 1..{CONTEXT} (the model's trained context); got {CONTEXT + 1}"]
