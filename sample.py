@@ -6,7 +6,8 @@
 
 stdout: the prompt (unless --no-echo), then exactly --chars characters. stderr: one line about the
 model before, and "wrote N chars in S s (X char/s)" after (generation only, not loading).
-Exit codes: 0 done, 2 bad argument / checkpoint / prompt, 130 Ctrl-C.
+Exit codes: 0 done (also when a reader such as `head` closes the pipe), 2 bad argument / checkpoint /
+prompt, 130 Ctrl-C (the speed line is still printed for what was written).
 """
 from __future__ import annotations
 
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             model, vocab, payload = load_trained(path, device)
         except VocabError as e:  # a vocabulary string that is not sorted / unique / empty
             raise CheckpointError(f"{path}: not a usable vocabulary ({e})") from None
+        step = payload.get("step", "?")
+        del payload  # the optimizer state in it is twice the model's size; writing needs none of it
         prompt = default_prompt(vocab) if args.prompt is None else args.prompt
         try:
             chars = generate(model, vocab, prompt, args.chars, args.temperature, args.top_k, args.seed,
@@ -116,11 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, SamplingError, CheckpointError) as e:
         print(f"error: {' '.join(str(e).splitlines())}", file=err)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted before writing began", file=err)
+        return 130
 
-    print(f"{path}: step {payload.get('step', '?')}, {model.cfg.n_rows} rows x {model.cfg.n_experts} experts, "
+    print(f"{path}: step {step}, {model.cfg.n_rows} rows x {model.cfg.n_experts} experts, "
           f"{vocab.size} characters, context {model.cfg.context}, on {device.type}", file=err, flush=True)
     written, code = 0, 0
-    start = time.perf_counter()
+    start = time.perf_counter()  # reset below, after the echo
     try:
         if not args.no_echo:
             out.write(prompt)

@@ -137,44 +137,47 @@ def gather_rows(x: Tensor, index: Tensor, inverse: Tensor, index_masked: bool = 
 
 
 class _DispatchRows(torch.autograd.Function):
-    """Each character copied to its K routed rows, in expert order; backward sums the K copies back."""
+    """out[i] = x_ND[token_I[i]]: each character copied to the rows its experts read.
+
+    Backward sums each character's K copies: grad_x[n] = sum_k grad[slot_NK[n, k]], where slot_NK
+    (flat [N*K]) says which output row holds routed row (n, k); -1 (dropped) adds nothing.
+    """
 
     @staticmethod
-    def forward(ctx, x_ND, token_R, inverse_R, top_k: int):
-        ctx.save_for_backward(inverse_R)
-        ctx.top_k = top_k
-        return x_ND.index_select(0, token_R)
+    def forward(ctx, x_ND, token_I, slot_flat, top_k: int, slot_masked: bool):
+        ctx.save_for_backward(slot_flat)
+        ctx.top_k, ctx.slot_masked = top_k, slot_masked
+        return x_ND.index_select(0, token_I)
 
     @staticmethod
-    def backward(ctx, grad_RD):
-        (inverse_R,) = ctx.saved_tensors
-        grad_NKD = grad_RD.contiguous().index_select(0, inverse_R).view(-1, ctx.top_k, grad_RD.shape[-1])
-        return grad_NKD.sum(1), None, None, None
+    def backward(ctx, grad_ID):
+        (slot_flat,) = ctx.saved_tensors
+        grad_NKD = _take(grad_ID.contiguous(), slot_flat, ctx.slot_masked).view(-1, ctx.top_k, grad_ID.shape[-1])
+        return grad_NKD.sum(1), None, None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[n] = sum_k y[slot_NK[n, k]] (slot -1: dropped, contributes zero).
+
+    Backward hands each row its character's gradient: grad_y[i] = grad[token_I[i]] (token -1:
+    a padding row, gets zero).
+    """
+
+    @staticmethod
+    def forward(ctx, y_ID, slot_flat, token_I, top_k: int, slot_masked: bool, token_masked: bool):
+        ctx.save_for_backward(token_I)
+        ctx.token_masked = token_masked
+        return _take(y_ID, slot_flat, slot_masked).view(-1, top_k, y_ID.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (token_I,) = ctx.saved_tensors
+        return _take(grad_ND.contiguous(), token_I, ctx.token_masked), None, None, None, None, None
 
 
 def dispatch(x_ND: Tensor, plan: DispatchPlan) -> Tensor:
     """Rows of x in expert order: [R, D]."""
-    return _DispatchRows.apply(x_ND, plan.token_R, plan.inverse_R, plan.top_k)
-
-
-def sorted_gates(gates_NK: Tensor, plan: DispatchPlan, dtype: torch.dtype) -> Tensor:
-    """Each sorted row's gate [R]; zero for rows dropped by capacity, so their output is zero."""
-    gate_R = gather_rows(gates_NK.reshape(-1).to(dtype), plan.order_R, plan.inverse_R)
-    return gate_R if plan.kept_R is None else torch.where(plan.kept_R, gate_R, 0)
-
-
-class _CombineRows(torch.autograd.Function):
-    """Sum each character's K (already gated) rows; backward hands each row its character's gradient."""
-
-    @staticmethod
-    def forward(ctx, y_RD, inverse_R, token_R, top_k: int):
-        ctx.save_for_backward(token_R)
-        return y_RD.index_select(0, inverse_R).view(-1, top_k, y_RD.shape[-1]).sum(1)
-
-    @staticmethod
-    def backward(ctx, grad_ND):
-        (token_R,) = ctx.saved_tensors
-        return grad_ND.contiguous().index_select(0, token_R), None, None, None
+    return _DispatchRows.apply(x_ND, plan.token_R, plan.inverse_R, plan.top_k, False)
 
 
 def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
@@ -182,7 +185,13 @@ def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
 
     A gather and a sum over K (no index_add), so the result is deterministic.
     """
-    return _CombineRows.apply(y_RD, plan.inverse_R, plan.token_R, plan.top_k)
+    return _CombineRows.apply(y_RD, plan.inverse_R, plan.token_R, plan.top_k, False, False)
+
+
+def sorted_gates(gates_NK: Tensor, plan: DispatchPlan) -> Tensor:
+    """Each sorted row's gate [R]; zero for rows dropped by capacity, so their output is zero."""
+    gate_R = gather_rows(gates_NK.reshape(-1), plan.order_R, plan.inverse_R)
+    return gate_R if plan.kept_R is None else torch.where(plan.kept_R, gate_R, 0)
 
 
 def _swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
@@ -211,13 +220,14 @@ def _native_swiglu(h: Tensor, gate: Tensor) -> Tensor:
     return _swiglu_eager(h, gate)
 
 
-# ---------------------------------------------------------------- paths: [R, D] sorted rows -> [R, D]
-# Each takes the sorted rows x_RD and their gates gate_R, returns the gated expert outputs [R, D]
-# (exactly zero for rows dropped by capacity), and puts padded_rows into `stats`.
+# ---------------------------------------------------------------- paths: [N, D] -> [N, D]
+# Each takes the characters x_ND and their routing (plan, gates_NK), returns the gate-weighted sum
+# of their experts' outputs (rows dropped by capacity add nothing), and puts padded_rows into `stats`.
 
-def run_loop(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
              stats: dict) -> Tensor:
     """The reference: one expert at a time over its kept rows; dropped rows get zeros."""
+    x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     pieces = []
     counts, kept = plan.counts_E.tolist(), plan.kept_counts_E.tolist()
     for e, (start, total, n) in enumerate(zip(plan.starts_E.tolist(), counts, kept)):
@@ -227,16 +237,17 @@ def run_loop(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tenso
         if total > n:
             pieces.append(x_RD.new_zeros(total - n, down_EFD.shape[-1]))
     stats["padded_rows"] = sum(kept)
-    return torch.cat(pieces) if pieces else x_RD.new_zeros(0, down_EFD.shape[-1])
+    return combine(torch.cat(pieces) if pieces else x_RD.new_zeros(0, down_EFD.shape[-1]), plan)
 
 
-def run_native(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
                stats: dict) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
+    x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     offs_E = plan.counts_E.cumsum(0).to(torch.int32)
     h_RF2 = GROUPED_MM(x_RD, gate_up_EDF2, offs=offs_E)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return GROUPED_MM(_native_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E)
+    return combine(GROUPED_MM(_native_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E), plan)
 
 
 def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
@@ -248,20 +259,22 @@ def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
     return sorted(groups.items(), reverse=True)
 
 
-def run_padded(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
-               groups: list[tuple[int, list[int]]], stats: dict) -> Tensor:
+def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
+               groups: list[tuple[int, list[int]]], kept_rows: int, stats: dict) -> Tensor:
     """Run groups of experts as bmm pairs, each group padded to its own capacity.
 
     The rows of all groups live in one flat padded buffer [P, D]; the weights of all grouped experts
     are gathered once (a gather per group would allocate a whole-card gradient per group in backward).
-    Padding slots read row 0 and their outputs are never read back, so they send no gradient.
+    Characters are gathered straight into the padded buffer and summed straight out of it (no
+    intermediate [R, D] in expert order). Padding slots read character 0 and their outputs are
+    never read back, so they send no gradient.
     """
-    device = x_RD.device
+    device = x_ND.device
     experts = [e for _, members in groups for e in members]
     caps = [c for c, members in groups for _ in members]
     if not experts:  # every row dropped or no rows at all
         stats["padded_rows"] = 0
-        return x_RD.new_zeros(x_RD.shape[0], down_EFD.shape[-1])
+        return x_ND.new_zeros(x_ND.shape[0], down_EFD.shape[-1])
     padded = sum(caps)
     perm_G = torch.tensor(experts, device=device)
     caps_G = torch.tensor(caps, device=device)
@@ -271,18 +284,21 @@ def run_padded(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Ten
     slot_pos_P = torch.arange(padded, device=device) - pad_start_G[slot_expert_P]
     valid_P = slot_pos_P < plan.kept_counts_E[perm_G][slot_expert_P]
     src_P = torch.where(valid_P, plan.starts_E[perm_G][slot_expert_P] + slot_pos_P, 0)
-    # Which padded slot holds each sorted row's output (-1: dropped by capacity, reads zero).
+    # Which padded slot holds each routed row's output (-1: dropped by capacity, reads zero).
     group_of_E = torch.full((gate_up_EDF2.shape[0],), -1, dtype=torch.long, device=device)
     group_of_E[perm_G] = torch.arange(len(experts), device=device)
-    position_R = torch.arange(x_RD.shape[0], device=device) - plan.starts_E[plan.expert_R]
+    position_R = torch.arange(plan.expert_R.shape[0], device=device) - plan.starts_E[plan.expert_R]
     dest_R = pad_start_G.index_select(0, group_of_E[plan.expert_R].clamp(min=0)) + position_R
     dropped = plan.kept_R is not None
     if dropped:
         dest_R = torch.where(plan.kept_R, dest_R, -1)
-    src_or_none_P = torch.where(valid_P, src_P, -1)  # padding slots send no gradient back
+    slot_flat = dest_R.index_select(0, plan.inverse_R)      # [N*K] in character order
+    token_P = plan.token_R.index_select(0, src_P)            # the character each slot reads
+    padding = padded > kept_rows
+    token_or_none_P = torch.where(valid_P, token_P, -1) if padding else token_P  # padding gets no gradient
 
-    x_PD = gather_rows(x_RD, src_P, dest_R, inverse_masked=dropped)
-    gate_P = gather_rows(gate_R, src_P, dest_R, inverse_masked=dropped)
+    x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
+    gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
     # One gather of the grouped experts' weights, split into group views below; experts in no
     # group (only looked for when there are some) get a zero gradient.
     idle_experts = len(experts) < gate_up_EDF2.shape[0]
@@ -299,20 +315,21 @@ def run_padded(x_RD: Tensor, gate_R: Tensor, gate_up_EDF2: Tensor, down_EFD: Ten
         outputs.append(torch.bmm(act_GCF, down_g).view(g * cap, -1))
     stats["padded_rows"] = padded
     y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return gather_rows(y_PD, dest_R, src_or_none_P, index_masked=dropped, inverse_masked=True)
+    return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
 
 
-def run_grouped(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, stats):
+def run_grouped(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, stats):
     # One host sync: group shapes must be known to launch the bmms.
-    groups = group_by_bucket(plan.kept_counts_E.tolist())
+    kept = plan.kept_counts_E.tolist()
+    groups = group_by_bucket(kept)
     stats["groups"] = len(groups)
-    return run_padded(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, groups, stats)
+    return run_padded(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, groups, sum(kept), stats)
 
 
-def run_rectangle(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, stats):
-    busiest = int(plan.kept_counts_E.max())
-    groups = [(busiest, list(range(gate_up_EDF2.shape[0])))] if busiest > 0 else []
-    return run_padded(x_RD, gate_R, gate_up_EDF2, down_EFD, plan, groups, stats)
+def run_rectangle(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, stats):
+    kept = plan.kept_counts_E.tolist()
+    groups = [(max(kept), list(range(len(kept))))] if max(kept) > 0 else []
+    return run_padded(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, groups, sum(kept), stats)
 
 
 RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}

@@ -14,6 +14,7 @@ cache) are taken on rank 0 and shared, so every rank goes on, or fails with rank
 """
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from contextlib import contextmanager
@@ -23,9 +24,10 @@ from typing import Callable, Iterator, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
-           "init_process_group", "install_count_reducers", "is_shared_error", "main_first",
+           "init_process_group", "install_count_reducers", "wrap_ddp", "is_shared_error", "main_first",
            "mean_over_ranks", "process_group", "rank_info"]
 
 T = TypeVar("T")
@@ -139,6 +141,23 @@ def install_count_reducers(model: torch.nn.Module) -> None:
     sink diagnostics), so all ranks see the global batch's routing and select experts alike."""
     for pool in model.pools():
         pool.count_reducer = all_reduce_sum
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """DDP around `model` for the training forward (and backward's gradient averaging).
+
+    find_unused_parameters stays off: an expert stack is one parameter, and every dispatch path
+    gives all of it a gradient (zeros for idle experts) whenever the pool routes a row
+    (tests/test_ddp.py checks it). Frozen parameters (requires_grad False) are left out of the
+    gradient buckets by DDP itself. Buffers are not broadcast before each forward: they are routing
+    counters, summed over ranks where they are read, and the selection bias, kept identical by the
+    summed loads; rank 0's copies must not overwrite the others' counts.
+    """
+    no_buffer_sync = ({"forward_sync_buffers": False}  # newer torch's name (still syncs at init: fine)
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True, **no_buffer_sync)
 
 
 def mean_over_ranks(t: Tensor, world_size: int) -> Tensor:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import PATHS, RUNNERS, _bucket, combine, dispatch, make_plan, resolve_dispatch, sorted_gates  # noqa: F401
+from .dispatch import PATHS, RUNNERS, _bucket, make_plan, resolve_dispatch  # noqa: F401
 
 __all__ = ["PooledMLP", "_bucket"]
 
@@ -123,10 +123,10 @@ class PooledMLP(nn.Module):
         dtype = _compute_dtype(x_ND)
         plan = make_plan(expert_ids_NK, self.n_experts, self.capacity(x_ND.shape[0]))
         stats: dict = {}
-        y_RD = RUNNERS[path](dispatch(x_ND.to(dtype), plan), sorted_gates(gates_NK, plan, dtype),
-                             self.gate_up.to(dtype), self.down.to(dtype), plan, stats)
+        y_ND = RUNNERS[path](x_ND.to(dtype), gates_NK.to(dtype), self.gate_up.to(dtype), self.down.to(dtype),
+                             plan, stats)
         self._record(plan, path, stats["padded_rows"])
-        return combine(y_RD, plan).to(x_ND.dtype)
+        return y_ND.to(x_ND.dtype)
 
     def forward(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
         expert_ids_NK, gates_NK, aux = self.route(x_ND)

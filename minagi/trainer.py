@@ -25,8 +25,6 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from torch.nn.parallel import DistributedDataParallel
-
 from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from .config import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict
@@ -225,13 +223,7 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
     forward = model
     if world_size > 1:
         distributed.install_count_reducers(model)
-        # find_unused_parameters is not needed: an expert stack is one parameter, and every dispatch
-        # path gives all of it a gradient (zeros for idle experts) whenever the pool routes a row.
-        # Frozen parameters (requires_grad False) are left out of DDP's buckets by DDP itself.
-        # broadcast_buffers=False: the buffers are routing counters, reduced where they are read,
-        # and the selection bias, kept identical by reduced loads; rank 0's must not overwrite them.
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          broadcast_buffers=False, gradient_as_bucket_view=True)
+        forward = distributed.wrap_ddp(model, device)
     forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     chars_per_step = tc.batch_size * mc.context

@@ -91,17 +91,15 @@ def test_bucket_padding_changes_nothing():
     pool = make_pool()
     n_chars, bias = SCENARIOS["uneven_two_groups"]
     x = torch.randn(n_chars, D)
-    ids, _ = routing(n_chars, bias)
+    ids, gates = routing(n_chars, bias)
     plan = make_plan(ids, E)
-    x_RD = x[plan.token_R]
-    gate_R = torch.rand(x_RD.shape[0])
     counts = plan.counts_E.tolist()
     exact = [(n, [e]) for e, n in enumerate(counts) if n > 0]
     bucketed = group_by_bucket(counts)
     assert any(c != counts[m[0]] for c, m in bucketed), "the scenario must actually pad"
     stats_exact, stats_bucketed = {}, {}
-    y_exact = run_padded(x_RD, gate_R, pool.gate_up, pool.down, plan, exact, stats_exact)
-    y_bucketed = run_padded(x_RD, gate_R, pool.gate_up, pool.down, plan, bucketed, stats_bucketed)
+    y_exact = run_padded(x, gates, pool.gate_up, pool.down, plan, exact, sum(counts), stats_exact)
+    y_bucketed = run_padded(x, gates, pool.gate_up, pool.down, plan, bucketed, sum(counts), stats_bucketed)
     torch.testing.assert_close(y_bucketed, y_exact, atol=1e-5, rtol=1e-5)
     assert stats_bucketed["padded_rows"] > stats_exact["padded_rows"] == sum(counts)
 

@@ -5,7 +5,6 @@ its attention and output weights scaled up so that positions matter and the next
 distribution is peaked: a cache that put a key at the wrong position, or a slide that kept the
 wrong characters, changes the logits well beyond rounding.
 """
-import dataclasses
 import os
 import subprocess
 import sys
@@ -28,6 +27,16 @@ CONTEXT = 16
 TEXT = "the quick brown fox jumps over the lazy dog.\nTHE END; 0123456789!\n"
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
         "model.n_experts=4", "model.top_k=2", "model.d_expert=32", "train.device=cpu"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One CPU thread: a one-position forward is ~3 ms alone but ~100 ms when two threads spin
+    against the other test processes on a busy 2-core machine. Restored for the rest of the suite."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _payload(model: CharLM, cfg, vocab: Vocab) -> dict:
@@ -196,7 +205,7 @@ def test_bad_arguments_fail_when_generate_is_called_not_at_the_first_character(t
 # ------------------------------------------------------------------------------ sample.py
 
 def _sample_py(*args, timeout=120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "sample.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, encoding="utf-8", timeout=timeout, env=env)
 

@@ -48,15 +48,15 @@ def load_series(run: str | Path) -> dict:
     sink_threshold (model.sink_ratio from run.json, None when unknown), steps.
     """
     path = Path(run)
+    if not path.exists():
+        raise HistoryError(f"{path}: no such run folder")
     if path.is_dir():
         run_dir, path = path, path / "history.jsonl"
+        if not path.is_file():
+            raise HistoryError(f"{run_dir}: no history.jsonl in this folder (not a run folder, or no "
+                               "evaluation has run yet)")
     else:
         run_dir = path.parent
-    if not run_dir.is_dir():
-        raise HistoryError(f"{run_dir}: no such run folder")
-    if not path.is_file():
-        raise HistoryError(f"{path}: no history.jsonl in this folder (not a run folder, or no "
-                           "evaluation has run yet)")
     records = read_history(path)
     if not records:
         raise HistoryError(f"{path}: empty history (no evaluation has run yet)")
@@ -113,7 +113,8 @@ def plot(series: dict, out_path: Path, title: str) -> tuple[int, int]:
         memory.plot(x, values, marker=marker, label=label)
     memory.set(title="memory (GPU allocator)" if series["memory_source"] == "allocator"
                else "memory (process resident; no GPU allocator figures)", ylabel="GiB")
-    memory.set_ylim(bottom=0)
+    top = max((v for vs in series["memory"].values() for v in vs if v == v), default=0.0)
+    memory.set_ylim(0, top * 1.15 or 1.0)  # headroom for the legend
 
     for row, values in series["sink_ratio"].items():
         sinks.plot(x, values, marker=marker, label=f"row {row}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import struct
 import sys
 from pathlib import Path
 
@@ -74,8 +75,9 @@ def sink_table(diagnostics: list[dict], top_k: int, sink_ratio: float, top: int 
 
 
 @torch.no_grad()
-def route_heldout(model, batches, device: torch.device) -> list[dict]:
+def route_heldout(model, batches, device: torch.device | str) -> list[dict]:
     """Sink diagnostics of `model` over `batches` alone (what was accumulated before is dropped)."""
+    device = torch.device(device)
     model.sink_diagnostics(reset=True)
     with devices.autocast(device):
         for x, _ in batches:
@@ -104,7 +106,9 @@ def format_table(table: dict) -> str:
 
 
 def write_heatmap(table: dict, out_path: Path, title: str) -> tuple[int, int]:
-    """rows x experts image of load / routed (each row sums to 1); returns (width, height) in pixels."""
+    """rows x experts image of load / routed (each row sums to 1); returns (width, height) in pixels.
+
+    About 0.3 inch per expert (8 to 24 inches wide) and 0.5 inch per row, at 100 dpi."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,22 +116,24 @@ def write_heatmap(table: dict, out_path: Path, title: str) -> tuple[int, int]:
     share = [[n / r["routed"] if r["routed"] else 0.0 for n in r["load"]] for r in table["rows"]]
     n_rows, e = len(share), table["n_experts"]
     dpi = 100
-    width_in, height_in = min(24, max(6, 2 + 0.3 * e)), min(24, max(3, 1.5 + 0.5 * n_rows))
+    width_in, height_in = min(24, max(8, 2.5 + 0.3 * e)), min(24, max(3, 1.5 + 0.5 * n_rows))
     fig, ax = plt.subplots(figsize=(width_in, height_in), dpi=dpi, layout="constrained")
     image = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
-    fig.colorbar(image, ax=ax, label="share of the row's routed rows (fair = 1/E)")
+    fig.colorbar(image, ax=ax, label=f"load / routed (fair = 1/{e})")
     ax.set(xlabel="expert", ylabel="row", title=title)
     ax.set_yticks(range(n_rows), [str(r["row"]) for r in table["rows"]])
     if e <= 32:
         ax.set_xticks(range(e))
     if e <= 16 and n_rows <= 16:  # small enough to print the numbers in the cells
+        top = max(max(row) for row in share) or 1.0
         for i, row in enumerate(share):
-            for j, v in enumerate(row):
+            for j, v in enumerate(row):  # dark cells get white text (viridis is dark at its low end)
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize="small",
-                        color="white" if v < 0.6 * max(max(row), 1e-9) else "black")
+                        color="white" if v < 0.6 * top else "black")
     fig.savefig(out_path, dpi=dpi)
     plt.close(fig)
-    return round(width_in * dpi), round(height_in * dpi)
+    # The size as written (inches x dpi can land a pixel short in floating point).
+    return struct.unpack(">II", Path(out_path).read_bytes()[16:24])
 
 
 def main(argv: list[str] | None = None) -> int:

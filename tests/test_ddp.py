@@ -1,0 +1,287 @@
+"""Multi-process training (DDP over gloo on the CPU): N ranks train the run one process would.
+
+Two ranks are launched the way a user does (`python -m torch.distributed.run --nproc_per_node=2`)
+through a small worker that calls train.py's main() and then saves what its rank ended with (its
+model state, losses and run folder) beside the run, since rank 1 itself writes nothing. The
+reference is one in-process train() with the whole batch. Tiny model, tiny text in tmp_path: the
+three launches take ~20 s on 2 cores.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_py
+from minagi import distributed, trainer
+from minagi.checkpoint import load_checkpoint
+from minagi.config import load_config
+from minagi.pool import PooledMLP
+from minagi.runlog import read_history
+
+REPO = Path(__file__).resolve().parent.parent
+RTOL = 1e-5  # 2 ranks vs 1 process: the same sums in another order
+
+# Flat lr after warmup (min_lr_ratio 1): "3 steps, extended to 6 on resume" is then the same run as
+# "6 steps". eval_every 3: records (and last.pt) at steps 3 and 6, each over 3 steps, so the sink
+# diagnostics must sum every step's counts of both ranks.
+PROFILE = """
+[model]
+n_rows = 1
+d_model = 32
+n_heads = 2
+context = 16
+n_experts = 4
+top_k = 2
+d_expert = 32
+aux_free_bias = true
+bias_update_rate = 0.01
+[train]
+steps = 6
+batch_size = 4
+warmup_steps = 2
+min_lr_ratio = 1.0
+eval_every = 3
+eval_batches = 2
+device = "cpu"
+"""
+
+WORKER = '''
+"""torchrun worker for tests/test_ddp.py: train.py's main(), then what this rank ended with."""
+import os, sys, time, types
+sys.path.insert(0, os.getcwd())
+import torch
+import train as train_py
+from minagi import trainer
+
+out_dir, freeze, argv = sys.argv[1], sys.argv[2] == "freeze", sys.argv[3:]
+rank = int(os.environ["RANK"])
+seen = {}
+real_build, real_train = trainer.build_model, trainer.train
+
+def build_model(*args, **kwargs):
+    model = real_build(*args, **kwargs)
+    if freeze:
+        model.rows[0].mlp.gate_up.requires_grad_(False)
+    seen["model"] = model
+    return model
+
+def train(*args, **kwargs):
+    seen["result"] = result = real_train(*args, **kwargs)
+    return result
+
+trainer.build_model, trainer.train = build_model, train
+if rank == 1:  # rank 1's clock says another second: its own name would be another folder
+    trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter,
+                                         strftime=lambda fmt: "19990101-000000")
+code = train_py.main(argv)
+if "result" in seen:
+    result = seen["result"]
+    torch.save({"run_dir": str(result.run_dir), "losses": result.losses, "heldout": result.heldout_loss,
+                "state": {k: v.clone() for k, v in seen["model"].state_dict().items()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+sys.exit(code)
+'''
+
+
+def _text() -> str:
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "sleeps", "moon"]
+    return "".join(f"{i:03d} {' '.join(words[(i * j) % len(words)] for j in range(1, 7))}.\n"
+                   for i in range(200))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Setup:
+    def __init__(self, root: Path):
+        self.root = root
+        self.data = root / "text.txt"
+        self.data.write_text(_text(), encoding="utf-8")
+        self.profile = root / "tiny.toml"
+        self.profile.write_text(PROFILE + f'out_dir = "{(root / "runs").as_posix()}"\n[data]\n'
+                                f'cache_dir = "{(root / "cache").as_posix()}"\n')
+        self.worker = root / "worker.py"
+        self.worker.write_text(WORKER)
+
+    def torchrun(self, name: str, *args: str, freeze: bool = False) -> tuple[dict, dict, str]:
+        """Two ranks of train.py; (rank 0's dump, rank 1's dump, the launcher's stdout)."""
+        out = self.root / f"dumps-{name}"
+        out.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={_free_port()}", str(self.worker), str(out), "freeze" if freeze else "-", *args],
+            cwd=REPO, capture_output=True, text=True, timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        return (torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True),
+                done.stdout)
+
+    def one_process(self, *sets: str, run_name: str):
+        cfg = load_config(str(self.profile), [f"data.path={self.data}", f"train.out_dir={self.root / 'ref'}",
+                                              f"train.run_name={run_name}", *sets])
+        return trainer.train(cfg, "tiny", progress=False, log=lambda msg: None, argv=["test"])
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """One process for 6 steps; two ranks for 3 steps under the default (timestamped) name, then
+    resumed on two ranks from last.pt to 6 steps."""
+    s = Setup(tmp_path_factory.mktemp("ddp"))
+    ref = s.one_process(run_name="one")
+    a0, a1, a_out = s.torchrun("fresh", "--profile", str(s.profile), "--data", str(s.data),
+                               "--set", "train.steps=3")
+    run_dir = Path(a0["run_dir"])
+    b0, b1, b_out = s.torchrun("resumed", "--resume", str(run_dir), "--set", "train.steps=6")
+    return dict(setup=s, ref=ref, fresh=(a0, a1), resumed=(b0, b1), stdout=(a_out, b_out), run_dir=run_dir)
+
+
+# ------------------------------------------------------------------------------ two ranks == one process
+
+def test_two_ranks_give_the_single_process_losses_through_a_resume(ddp):
+    (a0, a1), (b0, b1) = ddp["fresh"], ddp["resumed"]
+    assert a0["losses"] == a1["losses"] and b0["losses"] == b1["losses"]  # the mean over ranks, on both
+    assert len(a0["losses"]) == len(b0["losses"]) == 3
+    assert a0["losses"] + b0["losses"] == pytest.approx(ddp["ref"].losses, rel=RTOL)
+    assert b0["heldout"] == b1["heldout"] == pytest.approx(ddp["ref"].heldout_loss, rel=RTOL)
+    two = read_history(ddp["run_dir"] / "history.jsonl")
+    one = read_history(ddp["ref"].run_dir / "history.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [3, 6]
+    for a, b in zip(two, one):
+        for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen"):
+            assert a[key] == pytest.approx(b[key], rel=RTOL), (a["step"], key)
+        # Sink diagnostics summed over ranks: the global batch's routing, load by load.
+        assert [row["load"] for row in a["sinks"]] == [row["load"] for row in b["sinks"]]
+        assert a["sinks"][0]["routed"] == 3 * 4 * 16 * 2 and a["sinks"][0]["chars"] == 3 * 4 * 16
+
+
+def test_ranks_end_with_identical_weights_and_selection_bias_equal_to_one_process(ddp):
+    ref = load_checkpoint(ddp["ref"].run_dir / "last.pt")["model"]
+    for (r0, r1) in (ddp["fresh"], ddp["resumed"]):
+        assert r0["state"].keys() == r1["state"].keys()
+        for key in r0["state"]:
+            assert torch.equal(r0["state"][key], r1["state"][key]), key
+    bias = ddp["resumed"][0]["state"]["rows.0.mlp.selection_bias"]
+    assert bias.abs().sum() > 0  # the aux-free bias did move
+    assert torch.allclose(bias, ref["rows.0.mlp.selection_bias"], rtol=0, atol=1e-7)
+    for key, value in ref.items():
+        assert torch.allclose(ddp["resumed"][0]["state"][key], value, rtol=1e-4, atol=1e-6), key
+
+
+def test_only_rank_zero_writes_the_run_folder_once_per_record(ddp):
+    runs = ddp["setup"].root / "runs"
+    assert [p.name for p in runs.iterdir()] == [ddp["run_dir"].name]
+    assert sorted(p.name for p in ddp["run_dir"].iterdir()) == ["best.pt", "history.jsonl", "last.pt", "run.json"]
+    lines = (ddp["run_dir"] / "history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3, 6]
+    info = json.loads((ddp["run_dir"] / "run.json").read_text())
+    assert info["world_size"] == 2 and [r["step"] for r in info["resumes"]] == [3]
+    last = load_checkpoint(ddp["run_dir"] / "last.pt")
+    assert last["step"] == 6 and not any(k.startswith(("module.", "_orig_mod.")) for k in last["model"])
+    for out in ddp["stdout"]:
+        assert out.count("run folder: ") == 1 and out.count("final held-out") == 1, out
+
+
+def test_the_default_run_name_is_rank_zeros_on_every_rank(ddp):
+    a0, a1 = ddp["fresh"]
+    assert a0["run_dir"] == a1["run_dir"] and Path(a0["run_dir"]).name.startswith("tiny-")
+    assert "19990101" not in a0["run_dir"]  # rank 1's own clock was not used
+    assert ddp["resumed"][0]["run_dir"] == ddp["resumed"][1]["run_dir"] == a0["run_dir"]
+
+
+def test_two_ranks_train_with_a_frozen_expert_stack_and_loop_dispatch(tmp_path, monkeypatch):
+    # Loop dispatch skips idle experts, and a frozen parameter has no gradient at all: neither may
+    # upset DDP (no find_unused_parameters), and the frozen stack must stay as initialised.
+    s = Setup(tmp_path)
+    sets = ("model.n_rows=2", "model.dispatch=loop", "train.steps=3", "train.eval_every=3")
+    real_build = trainer.build_model
+
+    def frozen_build(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        model.rows[0].mlp.gate_up.requires_grad_(False)
+        return model
+    monkeypatch.setattr(trainer, "build_model", frozen_build)
+    ref = s.one_process(*sets, run_name="one")
+    r0, r1, _ = s.torchrun("frozen", "--profile", str(s.profile), "--data", str(s.data), "--run-name", "two",
+                           *[arg for item in sets for arg in ("--set", item)], freeze=True)
+    assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(ref.losses, rel=RTOL)
+    torch.manual_seed(1337)  # train.seed: the initial weights
+    vocab_size = len(load_checkpoint(ref.run_dir / "last.pt")["vocab"])
+    initial = real_build(load_config(str(s.profile), sets).model, vocab_size, "cpu").state_dict()
+    key = "rows.0.mlp.gate_up"
+    assert initial[key].shape == r0["state"][key].shape
+    assert torch.equal(r0["state"][key], initial[key]) and torch.equal(r1["state"][key], initial[key])
+    assert not torch.equal(r0["state"]["rows.1.mlp.gate_up"], initial["rows.1.mlp.gate_up"])
+    assert torch.equal(r0["state"]["rows.1.mlp.gate_up"], r1["state"]["rows.1.mlp.gate_up"])
+
+
+# ------------------------------------------------------------------------------ in-process pieces
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
+def test_every_dispatch_path_gives_whole_expert_stacks_a_gradient_when_an_expert_is_idle(path):
+    # Why DDP needs no find_unused_parameters: the stack is one parameter and it always gets a
+    # gradient, zero for the idle expert.
+    torch.manual_seed(0)
+    pool = PooledMLP(8, 8, 4, 2, dispatch=path, aux_free_bias=True)
+    with torch.no_grad():
+        pool.selection_bias[3] = -10.0  # expert 3 is never selected
+    y, aux = pool(torch.randn(16, 8))
+    (y.square().sum() + aux).backward()
+    for p in pool.parameters():
+        assert p.grad is not None
+    assert pool.gate_up.grad[3].abs().sum() == 0 and pool.down.grad[3].abs().sum() == 0
+    assert pool.gate_up.grad[:3].abs().sum() > 0
+
+
+def test_sink_diagnostics_read_the_counts_summed_by_the_reducer():
+    torch.manual_seed(0)
+    pool = PooledMLP(8, 8, 4, 2, dispatch="grouped")
+    pool(torch.randn(10, 8))
+    local = pool.read_diagnostics(reset=False)
+    pool.count_reducer = lambda counts: counts * 2  # two ranks that routed alike
+    summed = pool.read_diagnostics(reset=True)
+    assert summed["load"] == [2 * n for n in local["load"]]
+    assert summed["routed"] == 2 * local["routed"] == 2 * 10 * 2 and summed["chars"] == 20
+    assert summed["max_over_fair"] == local["max_over_fair"]
+    pool.count_reducer = None
+    assert pool.read_diagnostics()["routed"] == 0  # the reset cleared this rank's counters
+
+
+def test_rank_info_reads_torchrun_variables_and_is_one_process_without_them():
+    assert distributed.rank_info({}) == distributed.RankInfo(0, 1, 0)
+    info = distributed.rank_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (info.rank, info.world_size, info.local_rank, info.is_main, info.distributed) == (3, 4, 1, False, True)
+    with pytest.raises(distributed.LaunchError, match="RANK=4 WORLD_SIZE=4"):
+        distributed.rank_info({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    with pytest.raises(distributed.LaunchError, match="must be integers"):
+        distributed.rank_info({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_one_line_from_rank_zero(tmp_path, monkeypatch, capsys):
+    s = Setup(tmp_path)
+    argv = ["--profile", str(s.profile), "--data", str(s.data), "--set", "train.batch_size=3"]
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert train_py.main(argv) == 2  # refused before joining any process group
+        err = capsys.readouterr().err.strip().splitlines()
+        if rank == 0:
+            assert len(err) == 1 and "train.batch_size = 3" in err[0] and "2 ranks" in err[0], err
+        else:
+            assert err == []
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_refuses_several_ranks_without_a_process_group(tmp_path):
+    s = Setup(tmp_path)
+    cfg = load_config(str(s.profile), [f"data.path={s.data}"])
+    with pytest.raises(distributed.LaunchError, match="launch with torchrun"):
+        trainer.train(cfg, "tiny", rank=0, world_size=2, progress=False, log=lambda msg: None)
