@@ -213,7 +213,9 @@ _swiglu_compiled = None
 
 def _native_swiglu(h: Tensor, gate: Tensor) -> Tensor:
     global _swiglu_compiled
-    if h.is_cuda and NATIVE_SWIGLU == "auto" and _TRITON_AVAILABLE:
+    # Training only: decoding calls with new shapes (prompt, one character, a re-prefill) would each
+    # pay a compile of seconds for a pass of microseconds.
+    if h.is_cuda and h.requires_grad and NATIVE_SWIGLU == "auto" and _TRITON_AVAILABLE:
         if _swiglu_compiled is None:
             _swiglu_compiled = torch.compile(_swiglu_eager, dynamic=False)
         return _swiglu_compiled(h, gate)
