@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from . import devices, distributed
-from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from .checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from .config import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict
 from .data import Vocab, get_batch, heldout_batches, load_corpus
 from .model import build_model
@@ -327,7 +327,7 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                     state = payload()
                     save_checkpoint(run_dir / "last.pt", state)
                     if improved:
-                        save_checkpoint(run_dir / "best.pt", state)
+                        copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
                     # After the checkpoints: a crash in between loses a line, never duplicates one.
                     history.append({k: record[k] for k in HISTORY_FIELDS})
                 say(f"step {step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "

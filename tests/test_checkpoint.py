@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minagi import checkpoint
-from minagi.checkpoint import (FORMAT_VERSION, CheckpointError, capture_rng_state, load_checkpoint,
+from minagi.checkpoint import (FORMAT_VERSION, CheckpointError, capture_rng_state, copy_checkpoint, load_checkpoint,
                                restore_rng_state, save_checkpoint)
 
 
@@ -178,3 +178,29 @@ def test_rng_state_round_trip_through_a_checkpoint_reproduces_draws(tmp_path):
 def test_restore_rng_state_names_missing_parts():
     with pytest.raises(CheckpointError, match="'numpy'"):
         restore_rng_state({"python": capture_rng_state()["python"], "torch": torch.get_rng_state()})
+
+
+def test_copy_checkpoint_is_atomic_and_survives_the_next_save_of_its_source(tmp_path):
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    save_checkpoint(last, {"step": 1, "w": torch.arange(4.0)})
+    save_checkpoint(best, {"step": 0})
+    copy_checkpoint(last, best)
+    assert load_checkpoint(best)["step"] == 1
+    save_checkpoint(last, {"step": 2, "w": torch.zeros(4)})  # replaces last.pt with a new file
+    kept = load_checkpoint(best)
+    assert kept["step"] == 1 and torch.equal(kept["w"], torch.arange(4.0))
+    assert load_checkpoint(last)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
+
+
+def test_copy_checkpoint_falls_back_to_a_copy_without_hard_links(tmp_path, monkeypatch):
+    import os
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    save_checkpoint(last, {"step": 5})
+
+    def no_links(*args, **kwargs):
+        raise OSError("hard links not supported")
+    monkeypatch.setattr(os, "link", no_links)
+    copy_checkpoint(last, best)
+    assert load_checkpoint(best)["step"] == 5
+    assert os.stat(best).st_ino != os.stat(last).st_ino
