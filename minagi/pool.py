@@ -6,7 +6,6 @@ Shape legend:
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -14,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import PATHS, RUNNERS, _bucket, make_plan, resolve_dispatch  # noqa: F401
+from .dispatch import RUNNERS, _bucket, make_plan, resolve_dispatch  # noqa: F401  (_bucket re-exported)
 
 __all__ = ["PooledMLP", "_bucket"]
 

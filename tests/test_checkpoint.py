@@ -76,8 +76,6 @@ def test_interrupted_write_keeps_previous_checkpoint_and_no_temp_file(tmp_path, 
     save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
 
     if fail_in == "torch.save":
-        real_save = torch.save
-
         def broken(obj, f, *args, **kwargs):
             f.write(b"PK\x03\x04 half a zip")          # partial bytes, then the crash
             raise KeyboardInterrupt
@@ -194,7 +192,6 @@ def test_copy_checkpoint_is_atomic_and_survives_the_next_save_of_its_source(tmp_
 
 
 def test_copy_checkpoint_falls_back_to_a_copy_without_hard_links(tmp_path, monkeypatch):
-    import os
     last, best = tmp_path / "last.pt", tmp_path / "best.pt"
     save_checkpoint(last, {"step": 5})
 

@@ -1,7 +1,6 @@
 """minagi/data.py: vocabulary, corpus loading and split, cache, deterministic sharded batches."""
 
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np

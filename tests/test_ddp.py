@@ -22,6 +22,7 @@ from minagi.checkpoint import load_checkpoint
 from minagi.config import load_config
 from minagi.pool import PooledMLP
 from minagi.runlog import read_history
+from tiny import tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-5  # 2 ranks vs 1 process: the same sums in another order
@@ -88,10 +89,6 @@ sys.exit(code)
 '''
 
 
-def _text() -> str:
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "sleeps", "moon"]
-    return "".join(f"{i:03d} {' '.join(words[(i * j) % len(words)] for j in range(1, 7))}.\n"
-                   for i in range(200))
 
 
 def _free_port() -> int:
@@ -104,7 +101,7 @@ class Setup:
     def __init__(self, root: Path):
         self.root = root
         self.data = root / "text.txt"
-        self.data.write_text(_text(), encoding="utf-8")
+        self.data.write_text(tiny_text(), encoding="utf-8")
         self.profile = root / "tiny.toml"
         self.profile.write_text(PROFILE + f'out_dir = "{(root / "runs").as_posix()}"\n[data]\n'
                                 f'cache_dir = "{(root / "cache").as_posix()}"\n')

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from minagi.config import load_config
 from minagi.runlog import read_history
-from minagi.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import plot_history  # noqa: E402
+from tiny import train_tiny
 
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "model.context=16",
         "model.n_experts=4", "model.top_k=2", "model.d_expert=32",
@@ -26,21 +25,12 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "model.context=
         "train.eval_batches=2", "train.device=cpu"]
 
 
-def _text() -> str:
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "sleeps", "moon"]
-    return "".join(f"{i:03d} {' '.join(words[(i * j) % len(words)] for j in range(1, 7))}.\n"
-                   for i in range(200))
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A finished tiny CPU run with 3 history records (steps 2, 4, 6) and 2 rows."""
-    tmp = tmp_path_factory.mktemp("plot")
-    data = tmp / "text.txt"
-    data.write_text(_text(), encoding="utf-8")
-    cfg = load_config(None, [*TINY, f"data.path={data}", f"data.cache_dir={tmp / 'cache'}",
-                             f"train.out_dir={tmp / 'runs'}", "train.run_name=tiny"])
-    return train(cfg, "tiny", progress=False, log=lambda msg: None, argv=["test"]).run_dir
+    return train_tiny(tmp_path_factory.mktemp("plot"), TINY).run_dir
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -158,7 +158,7 @@ def test_comment_based_help_comes_first_and_documents_every_parameter():
 
 def test_reads_the_language_neutral_wmi_class_with_the_counter_fallback():
     text = source()
-    assert f"Get-CimInstance -ClassName $WmiClass" in text
+    assert "Get-CimInstance -ClassName $WmiClass" in text
     assert f"$WmiClass = '{WMI_CLASS}'" in text
     assert "Get-Counter -Counter $CounterPaths" in text
     for counter in ("Dedicated Usage", "Shared Usage", "Local Usage", "Non Local Usage"):

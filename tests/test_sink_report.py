@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from minagi.config import load_config
 from minagi.data import heldout_batches, load_corpus
 from minagi.loading import load_trained
-from minagi.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import sink_report  # noqa: E402
+from tiny import train_tiny
 
 E, K, ROWS, BATCH, CONTEXT, EVAL_BATCHES = 4, 2, 2, 4, 16, 2
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
@@ -25,20 +24,11 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context
         f"train.eval_batches={EVAL_BATCHES}", "train.device=cpu"]
 
 
-def _text() -> str:
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "sleeps", "moon"]
-    return "".join(f"{i:03d} {' '.join(words[(i * j) % len(words)] for j in range(1, 7))}.\n"
-                   for i in range(200))
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("sink")
-    data = tmp / "text.txt"
-    data.write_text(_text(), encoding="utf-8")
-    cfg = load_config(None, [*TINY, f"data.path={data}", f"data.cache_dir={tmp / 'cache'}",
-                             f"train.out_dir={tmp / 'runs'}", "train.run_name=tiny"])
-    return train(cfg, "tiny", progress=False, log=lambda msg: None, argv=["test"]).run_dir / "best.pt"
+    return train_tiny(tmp_path_factory.mktemp("sink"), TINY).run_dir / "best.pt"
 
 
 def _table(ckpt: Path, n_batches: int = EVAL_BATCHES, top: int = 5) -> tuple[dict, list[dict]]:

@@ -22,6 +22,7 @@ from minagi.data import get_batch
 from minagi.model import CharLM
 from minagi.runlog import HISTORY_FIELDS, History, read_history
 from minagi.trainer import NonFiniteLossError, lr_factor, resume_config, train
+from tiny import tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,17 +41,12 @@ TINY = ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "model.context=
         "train.eval_batches=2", "train.device=cpu"]
 
 
-def _text() -> str:
-    # Deterministic, varied enough that the loss falls within a few steps; ~9k characters.
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "sleeps", "moon"]
-    return "".join(f"{i:03d} {' '.join(words[(i * j) % len(words)] for j in range(1, 7))}.\n"
-                   for i in range(200))
 
 
 @pytest.fixture
 def data_path(tmp_path):
     path = tmp_path / "text.txt"
-    path.write_text(_text(), encoding="utf-8")
+    path.write_text(tiny_text(), encoding="utf-8")
     return path
 
 
@@ -68,7 +64,7 @@ def run_tiny(tmp_path, data_path, *extra: str, run_name: str = "run", **kwargs):
 def golden(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("golden")
     path = tmp_path / "text.txt"
-    path.write_text(_text(), encoding="utf-8")
+    path.write_text(tiny_text(), encoding="utf-8")
     return run_tiny(tmp_path, path)
 
 
