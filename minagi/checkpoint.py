@@ -11,7 +11,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -84,12 +84,21 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> None:
     payload = {**payload, "format_version": FORMAT_VERSION}
     _check_plain(payload, "payload", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+    _replace_atomically(path, write)
+
+
+def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """write(<path>.tmp-<pid>), then rename it over path; the temp file never outlives a failure."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -105,21 +114,16 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     save_checkpoint never writes into an existing file: it replaces it with a new one, so a later
     last.pt leaves the linked best.pt as it was.
     """
-    src, dst = Path(src), Path(dst)
-    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)
+    src = Path(src)
+
+    def write(tmp: Path) -> None:
         try:
             os.link(src, tmp)
         except OSError:  # no hard links here (FAT, some network mounts): copy the bytes
             shutil.copyfile(src, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(dst.parent)
+    _replace_atomically(Path(dst), write)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
