@@ -100,6 +100,9 @@ def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
         write(tmp)
         os.replace(tmp, path)
+        # rename(2) of a hard link over another link of the same file does nothing and succeeds
+        # (copy_checkpoint onto its existing link): the temp name would stay behind.
+        tmp.unlink(missing_ok=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -28,7 +28,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 class PooledMLP(nn.Module):
     """Top-k routed SwiGLU experts; `forward(x_ND) -> (y_ND, aux_loss)`.
 
-    Routing runs in fp32. Gates are renormalised over the chosen experts. The balance term
+    Routing runs in fp32. Gates are renormalised over the chosen experts (top_k > 1; top-1 keeps the
+    raw probability, as Switch does, so the router still learns from the loss). The balance term
     `balance_coef * E * sum_i f_i * P_i` uses f_i, the actual fraction of routed rows of expert i
     (reduced across ranks by `count_reducer` when set), and P_i, the mean router probability.
     With `aux_free_bias`, a selection-only bias is nudged after each optimizer step
@@ -89,7 +90,11 @@ class PooledMLP(nn.Module):
             scores_NE = probs_NE + self.selection_bias if self.aux_free_bias else probs_NE
             expert_ids_NK = scores_NE.topk(self.top_k, dim=-1).indices
             gates_NK = probs_NE.gather(-1, expert_ids_NK)
-            gates_NK = gates_NK / gates_NK.sum(-1, keepdim=True)
+            if self.top_k > 1:
+                # Renormalised over the chosen experts. Not for top-1 (Switch keeps the raw
+                # probability): a renormalised single gate is exactly 1 and the router would learn
+                # from the aux terms alone.
+                gates_NK = gates_NK / gates_NK.sum(-1, keepdim=True)
             aux = self._aux_loss(logits_NE, probs_NE, expert_ids_NK)
         return expert_ids_NK, gates_NK, aux
 
@@ -110,8 +115,11 @@ class PooledMLP(nn.Module):
         path = self.dispatch
         if path == "grouped" and not self.grouped_dispatch:
             return "rectangle"
-        # The grouped GEMM kernel on CUDA is bf16-only; fp32 CUDA calls use the bucketed bmm path.
-        if path == "native" and x_ND.is_cuda and _compute_dtype(x_ND) != torch.bfloat16:
+        # The grouped GEMM kernel on CUDA is bf16-only, and so is its meta kernel that torch.compile
+        # traces with (torch 2.13: fp32 fails there though it runs eagerly on the CPU); fp32 calls
+        # there use the bucketed bmm path.
+        if (path == "native" and (x_ND.is_cuda or torch.compiler.is_compiling())
+                and _compute_dtype(x_ND) != torch.bfloat16):
             return "grouped"
         return path
 

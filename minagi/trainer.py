@@ -117,7 +117,9 @@ def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
     ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
     _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
                           str(run_dir / "last.pt"))
-    if ckpt["step"] >= cfg.train.steps:
+    # At train.steps with its evaluation still due (Ctrl-C stopped it), the resume only runs that.
+    if ckpt["step"] > cfg.train.steps or (ckpt["step"] == cfg.train.steps
+                                          and not ckpt["meter"].get("eval_due", False)):
         raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
                           f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
     return ckpt
@@ -202,6 +204,7 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
     step, best, wall_s = 0, math.inf, 0.0
     loss_sum = aux_sum = norm_sum = 0.0
     since = 0  # steps since the last record (they may straddle a resume)
+    eval_due = False  # the evaluation of `step` is still to run (Ctrl-C stopped it: the resume runs it first)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -215,6 +218,7 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
         meter = ckpt["meter"]
         loss_sum, aux_sum, norm_sum = meter["loss_sum"], meter["aux_sum"], meter["norm_sum"]
         since, wall_s = meter["since"], meter["wall_s"]
+        eval_due = meter.get("eval_due", False)
         del ckpt  # the model and optimizer hold copies; free the CPU one
     start_step = step
     # The training forward goes through DDP (and compile); the optimizer, saving, evaluation,
@@ -234,7 +238,7 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                 "config": config_to_dict(cfg), "vocab": vocab.chars, "step": step,
                 "best_heldout_loss": best, "run_name": run_name,
                 "meter": {"loss_sum": loss_sum, "aux_sum": aux_sum, "norm_sum": norm_sum,
-                          "since": since, "wall_s": wall_s}}
+                          "since": since, "wall_s": wall_s, "eval_due": eval_due}}
 
     history = None
     if is_main:
@@ -251,9 +255,48 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
     devices.memory_stats(device)  # reset the peaks: the first record covers this call's steps only
     interval_chars, interval_s = 0, 0.0
     updating = False  # True while parameters and optimizer state may disagree with `step`
+    owed = None  # (record, improved) of an evaluation whose files are not all written yet
+    lr = scheduler.base_lrs[0] * schedule(step - 1) if eval_due else None  # the last step's, for its record
     model.train()
     try:
-        while step < tc.steps:
+        while step < tc.steps or eval_due:
+            if eval_due:
+                # Collectives follow (diagnostics, held-out): every rank runs this block.
+                diagnostics = model.sink_diagnostics(reset=True)  # training steps' routing, all ranks
+                heldout = _evaluate(model, eval_batches, device, world_size)
+                model.sink_diagnostics(reset=True)                # drop the evaluation's routing
+                if not math.isfinite(heldout):
+                    raise NonFiniteLossError(f"step {step}: held-out loss is not finite ({heldout}); "
+                                             f"stopped without saving; {run_dir / 'last.pt'} keeps the "
+                                             "last good checkpoint", step)
+                record = {
+                    "step": step, "chars_seen": step * chars_per_step,
+                    "train_loss": loss_sum / since, "aux_loss": aux_sum / since,
+                    "grad_norm": norm_sum / since,
+                    "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": lr,
+                    "chars_per_s": interval_chars / interval_s if interval_s > 0 else None,
+                    "wall_s": wall_s,
+                    **devices.memory_stats(device),
+                    "sinks": diagnostics,
+                    "dropped_fraction": sum(d["dropped_fraction"] for d in diagnostics) / max(1, len(diagnostics)),
+                }
+                improved = heldout < best
+                best = min(best, heldout)
+                loss_sum = aux_sum = norm_sum = 0.0
+                since, interval_chars, interval_s = 0, 0, 0.0
+                owed, eval_due = (record, improved), False  # from here on, Ctrl-C finishes the writes
+                result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, best
+                if is_main:
+                    state = payload()
+                    save_checkpoint(run_dir / "last.pt", state)
+                    if improved:
+                        copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+                    owed = None
+                    # After the checkpoints: a crash in between loses a line, never duplicates one.
+                    history.append({k: record[k] for k in HISTORY_FIELDS})
+                say(f"step {step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
+                    f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
+                continue
             t0 = time.perf_counter()
             x, y = get_batch(corpus.train_ids, tc.batch_size, mc.context, tc.seed, step, rank, world_size)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [b, T]
@@ -283,12 +326,13 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
             model.step_router_bias()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            updating = False
+            eval_due = step % tc.eval_every == 0 or step == tc.steps
             dt = time.perf_counter() - t0
             wall_s += dt
             interval_s += dt
             interval_chars += chars_per_step
             loss_sum, aux_sum, norm_sum, since = loss_sum + ce, aux_sum + aux, norm_sum + gnorm, since + 1
+            updating = False  # only now do step, meters and parameters agree
             result.losses.append(ce)
             result.step = step
             if not bar.disable:
@@ -297,41 +341,6 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                 bar.set_postfix_str(f"loss {ce:.4f} | {interval_chars / interval_s:,.0f} char/s | {mem}",
                                     refresh=False)
                 bar.update(1)
-
-            if step % tc.eval_every == 0 or step == tc.steps:
-                # Collectives follow (diagnostics, held-out): every rank runs this block.
-                diagnostics = model.sink_diagnostics(reset=True)  # training steps' routing, all ranks
-                heldout = _evaluate(model, eval_batches, device, world_size)
-                model.sink_diagnostics(reset=True)                # drop the evaluation's routing
-                if not math.isfinite(heldout):
-                    raise NonFiniteLossError(f"step {step}: held-out loss is not finite ({heldout}); "
-                                             f"stopped without saving; {run_dir / 'last.pt'} keeps the "
-                                             "last good checkpoint", step)
-                record = {
-                    "step": step, "chars_seen": step * chars_per_step,
-                    "train_loss": loss_sum / since, "aux_loss": aux_sum / since,
-                    "grad_norm": norm_sum / since,
-                    "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": lr,
-                    "chars_per_s": interval_chars / interval_s if interval_s > 0 else None,
-                    "wall_s": wall_s,
-                    **devices.memory_stats(device),
-                    "sinks": diagnostics,
-                    "dropped_fraction": sum(d["dropped_fraction"] for d in diagnostics) / max(1, len(diagnostics)),
-                }
-                improved = heldout < best
-                best = min(best, heldout)
-                loss_sum = aux_sum = norm_sum = 0.0
-                since, interval_chars, interval_s = 0, 0, 0.0
-                result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, best
-                if is_main:
-                    state = payload()
-                    save_checkpoint(run_dir / "last.pt", state)
-                    if improved:
-                        copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
-                    # After the checkpoints: a crash in between loses a line, never duplicates one.
-                    history.append({k: record[k] for k in HISTORY_FIELDS})
-                say(f"step {step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
-                    f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
     except KeyboardInterrupt:
         result.interrupted = True
         if updating:
@@ -339,6 +348,11 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
             say(f"interrupted during the update of step {step + 1}; {run_dir / 'last.pt'} is unchanged")
         elif is_main:
             save_checkpoint(run_dir / "last.pt", payload())
+            if owed is not None:  # stopped while writing an evaluation's files: finish them
+                record, improved = owed
+                if improved:
+                    copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+                history.append({k: record[k] for k in HISTORY_FIELDS})
             say(f"interrupted: saved {run_dir / 'last.pt'} at step {step}; "
                 f"continue with --resume {run_dir}")
     finally:

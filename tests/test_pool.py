@@ -111,3 +111,13 @@ def test_diagnostics_accumulate_until_read_and_reset_after():
     pool(x)
     assert pool.read_diagnostics()["routed"] == 2 * 20 * K
     assert pool.read_diagnostics()["routed"] == 0
+
+
+def test_top1_router_learns_from_the_loss_not_only_from_the_aux_terms():
+    torch.manual_seed(0)
+    pool = PooledMLP(D, F_, E, 1, dispatch="grouped", balance_coef=0.0)
+    x = torch.randn(64, D)
+    y, aux = pool(x)
+    assert aux.item() == 0.0
+    (y * torch.randn_like(y)).sum().backward()
+    assert pool.router.weight.grad.abs().max() > 1e-4  # a renormalised top-1 gate (== 1) gives ~0
