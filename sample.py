@@ -83,27 +83,18 @@ def resolve_checkpoint(path: str) -> Path:
     return p  # a missing file is load_checkpoint's one-line error, naming it
 
 
-def choose_device(requested: str):
-    import torch
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device cuda: no CUDA device is available to torch {torch.__version__}; "
-                         "use --device cpu or auto")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from minagi.checkpoint import CheckpointError
     from minagi.data import VocabError
+    from minagi.devices import DeviceError, choose_device
     from minagi.loading import load_trained
     from minagi.sampling import SamplingError, default_prompt, generate
 
     out, err = sys.stdout, sys.stderr
     try:
         path = resolve_checkpoint(args.checkpoint)
-        device = choose_device(args.device)
+        device = choose_device(args.device, option="--device")
         try:
             model, vocab, payload = load_trained(path, device)
         except VocabError as e:  # a vocabulary string that is not sorted / unique / empty
@@ -116,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                              device, window=args.window, keep=args.keep)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None
-    except (UsageError, SamplingError, CheckpointError) as e:
+    except (UsageError, SamplingError, CheckpointError, DeviceError) as e:
         print(f"error: {' '.join(str(e).splitlines())}", file=err)
         return 2
     except KeyboardInterrupt:

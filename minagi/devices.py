@@ -60,20 +60,21 @@ def apply_alloc_conf(alloc_conf: str) -> list[str]:
     return names
 
 
-def choose_device(requested: str) -> torch.device:
-    """train.device: 'auto' = CUDA (or ROCm, through torch.cuda) when present, else CPU."""
+def choose_device(requested: str, option: str = "train.device") -> torch.device:
+    """'auto' = CUDA (or ROCm, through torch.cuda) when present, else CPU. `option` names the
+    setting in errors (train.device, --device)."""
     if requested == "cpu":
         return torch.device("cpu")
     available = torch.cuda.is_available()
     if requested == "cuda":
         if not available:
             build = "a CPU-only build" if torch.version.cuda is None and not torch.version.hip else "this machine"
-            raise DeviceError(f"train.device=cuda but no CUDA device is available ({build} of torch "
-                               f"{torch.__version__}); use train.device=cpu or auto")
+            raise DeviceError(f"{option}=cuda but no CUDA device is available ({build} of torch "
+                               f"{torch.__version__}); use {option}=cpu or auto")
         return torch.device("cuda")
     if requested == "auto":
         return torch.device("cuda" if available else "cpu")
-    raise DeviceError(f"train.device must be auto, cpu or cuda; got {requested!r}")
+    raise DeviceError(f"{option} must be auto, cpu or cuda; got {requested!r}")
 
 
 def device_name(device: torch.device) -> str:
