@@ -240,6 +240,13 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                 "meter": {"loss_sum": loss_sum, "aux_sum": aux_sum, "norm_sum": norm_sum,
                           "since": since, "wall_s": wall_s, "eval_due": eval_due}}
 
+    def write_evaluation(record: dict, improved: bool) -> None:
+        save_checkpoint(run_dir / "last.pt", payload())
+        if improved:
+            copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+        # After the checkpoints: a crash in between loses a line, never duplicates one.
+        history.append({k: record[k] for k in HISTORY_FIELDS})
+
     history = None
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,13 +294,8 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
                 owed, eval_due = (record, improved), False  # from here on, Ctrl-C finishes the writes
                 result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, best
                 if is_main:
-                    state = payload()
-                    save_checkpoint(run_dir / "last.pt", state)
-                    if improved:
-                        copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
+                    write_evaluation(record, improved)
                     owed = None
-                    # After the checkpoints: a crash in between loses a line, never duplicates one.
-                    history.append({k: record[k] for k in HISTORY_FIELDS})
                 say(f"step {step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
                     f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
                 continue
@@ -347,12 +349,10 @@ def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
             # Some parameters may have moved and others not: nothing consistent to save.
             say(f"interrupted during the update of step {step + 1}; {run_dir / 'last.pt'} is unchanged")
         elif is_main:
-            save_checkpoint(run_dir / "last.pt", payload())
             if owed is not None:  # stopped while writing an evaluation's files: finish them
-                record, improved = owed
-                if improved:
-                    copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
-                history.append({k: record[k] for k in HISTORY_FIELDS})
+                write_evaluation(*owed)
+            else:
+                save_checkpoint(run_dir / "last.pt", payload())
             say(f"interrupted: saved {run_dir / 'last.pt'} at step {step}; "
                 f"continue with --resume {run_dir}")
     finally:
