@@ -12,13 +12,14 @@ Shape legend:
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "rectangle", "loop")
 
@@ -76,6 +77,7 @@ class DispatchPlan:
     expert_R: Tensor         # the expert of each sorted row (non-decreasing)
     counts_E: Tensor         # routed rows per expert, before capacity (int64)
     starts_E: Tensor         # first sorted position of each expert
+    ends_E: Tensor           # one past its last (the grouped GEMM's offsets)
     kept_R: Tensor | None    # sorted row is inside its expert's capacity (None: uncapped)
     capacity: int            # 0 = uncapped
     n_chars: int
@@ -89,10 +91,10 @@ class DispatchPlan:
 def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0) -> DispatchPlan:
     n_chars, top_k = expert_ids_NK.shape
     flat_R = expert_ids_NK.reshape(-1)
-    order_R = torch.argsort(flat_R, stable=True)  # stable: earlier characters win capacity
-    expert_R = flat_R[order_R]
-    counts_E = torch.bincount(flat_R, minlength=n_experts)
-    starts_E = counts_E.cumsum(0) - counts_E
+    expert_R, order_R = torch.sort(flat_R, stable=True)  # stable: earlier characters win capacity
+    # Expert boundaries in the sorted ids: no host sync (bincount on CUDA syncs to size its output).
+    bounds_E1 = torch.searchsorted(expert_R, torch.arange(n_experts + 1, device=flat_R.device))
+    starts_E, ends_E, counts_E = bounds_E1[:-1], bounds_E1[1:], bounds_E1.diff()
     inverse_R = torch.empty_like(order_R)
     inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
     kept_R = None
@@ -100,15 +102,17 @@ def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0) -> Dispa
         position_R = torch.arange(flat_R.numel(), device=flat_R.device) - starts_E[expert_R]
         kept_R = position_R < capacity
     return DispatchPlan(order_R=order_R, inverse_R=inverse_R, token_R=order_R // top_k, expert_R=expert_R, counts_E=counts_E,
-                        starts_E=starts_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k)
+                        starts_E=starts_E, ends_E=ends_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k)
 
 
 def _take(x: Tensor, index: Tensor, masked: bool) -> Tensor:
     """x[index] along dim 0; rows where index < 0 are zero (only looked for when `masked`)."""
     if not masked:
         return x.index_select(0, index)
-    out = x.index_select(0, index.clamp(min=0))
-    return out.masked_fill_((index < 0).view(-1, *[1] * (x.dim() - 1)), 0)
+    # Read a zero row appended to x: one copy of x, where masking the gathered rows afterwards was
+    # a broadcast masked_fill over the output (0.39 ms for [140k, 1024] on the H200, docs/LOG.md).
+    with_zero = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return with_zero.index_select(0, torch.where(index < 0, x.shape[0], index))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -152,8 +156,7 @@ class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ID):
         (slot_flat,) = ctx.saved_tensors
-        grad_NKD = _take(grad_ID.contiguous(), slot_flat, ctx.slot_masked).view(-1, ctx.top_k, grad_ID.shape[-1])
-        return grad_NKD.sum(1), None, None, None, None
+        return gather_sum(grad_ID.contiguous(), slot_flat, ctx.top_k, ctx.slot_masked), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -167,12 +170,42 @@ class _CombineRows(torch.autograd.Function):
     def forward(ctx, y_ID, slot_flat, token_I, top_k: int, slot_masked: bool, token_masked: bool):
         ctx.save_for_backward(token_I)
         ctx.token_masked = token_masked
-        return _take(y_ID, slot_flat, slot_masked).view(-1, top_k, y_ID.shape[-1]).sum(1)
+        return gather_sum(y_ID, slot_flat, top_k, slot_masked)
 
     @staticmethod
     def backward(ctx, grad_ND):
         (token_I,) = ctx.saved_tensors
         return _take(grad_ND.contiguous(), token_I, ctx.token_masked), None, None, None, None, None
+
+
+class _GatherGroups(torch.autograd.Function):
+    """Each group's rows of a stacked tensor: (x[index_g] for each group g), index split by `sizes`.
+
+    Every row of x belongs to at most one group, so the backward writes each group's gradient
+    straight into x's gradient (index_copy_). One gather split into group views would copy the card's
+    gradient twice in backward: the split's cat, then the gather's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index_G, sizes: list[int], covers_all: bool):
+        ctx.save_for_backward(index_G)
+        ctx.sizes, ctx.shape, ctx.covers_all = sizes, x.shape, covers_all
+        return tuple(x.index_select(0, index_g) for index_g in index_G.split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (index_G,) = ctx.saved_tensors
+        # Rows in no group (idle experts) get zeros; when the groups cover every row, nothing is left.
+        grad_x = grads[0].new_empty(ctx.shape) if ctx.covers_all else grads[0].new_zeros(ctx.shape)
+        for index_g, grad_g in zip(index_G.split(ctx.sizes), grads):
+            grad_x.index_copy_(0, index_g, grad_g)
+        return grad_x, None, None, None
+
+
+def _host_to_device(values: list[int], device: torch.device) -> Tensor:
+    """A small index list onto the device without a host sync (pinned memory, asynchronous copy)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def dispatch(x_ND: Tensor, plan: DispatchPlan) -> Tensor:
@@ -194,32 +227,13 @@ def sorted_gates(gates_NK: Tensor, plan: DispatchPlan) -> Tensor:
     return gate_R if plan.kept_R is None else torch.where(plan.kept_R, gate_R, 0)
 
 
-def _swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
-    """silu(h_gate) * h_up * gate: [..., 2F], [...] -> [..., F]. Gating here is linear, so it equals
-    gating the expert's output, and spares the combine a pass over [R, D] and its backward."""
-    h_gate, h_up = h.chunk(2, dim=-1)
-    return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
+def gather_sum(src_SD: Tensor, index_flat: Tensor, top_k: int, masked: bool) -> Tensor:
+    """out[n] = sum_k src[index[n*K + k]]; index -1 reads zero (looked for when `masked`). [N, D].
 
-
-# The native path's SwiGLU on CUDA runs as one torch.compile'd function (Triton kernels, static
-# shapes: the native path's shapes are fixed for a training config): eager, its five elementwise
-# passes over [R, F] cost half as much as the grouped GEMMs (8.4 -> 6.3 ms at 16,384 characters
-# on the H200, docs/LOG.md). The bucketed path keeps eager ops: its shapes change every call.
-# "auto": compiled where Triton is importable; "eager": never (tools/bench_dispatch.py --swiglu).
-NATIVE_SWIGLU = "auto"
-_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-_swiglu_compiled = None
-
-
-def _native_swiglu(h: Tensor, gate: Tensor) -> Tensor:
-    global _swiglu_compiled
-    # Training only: decoding calls with new shapes (prompt, one character, a re-prefill) would each
-    # pay a compile of seconds for a pass of microseconds.
-    if h.is_cuda and h.requires_grad and NATIVE_SWIGLU == "auto" and _TRITON_AVAILABLE:
-        if _swiglu_compiled is None:
-            _swiglu_compiled = torch.compile(_swiglu_eager, dynamic=False)
-        return _swiglu_compiled(h, gate)
-    return _swiglu_eager(h, gate)
+    Two eager passes (gather, then the K-way sum). A torch.compile'd one-pass version was slower on
+    the H200 (0.32 vs ~0.2 ms at [131k, 1024], docs/LOG.md).
+    """
+    return _take(src_SD, index_flat, masked).view(-1, top_k, src_SD.shape[-1]).sum(1)
 
 
 # ---------------------------------------------------------------- paths: [N, D] -> [N, D]
@@ -235,7 +249,7 @@ def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Ten
     for e, (start, total, n) in enumerate(zip(plan.starts_E.tolist(), counts, kept)):
         if n > 0:
             h = x_RD[start:start + n] @ gate_up_EDF2[e]
-            pieces.append(_swiglu_eager(h, gate_R[start:start + n]) @ down_EFD[e])
+            pieces.append(swiglu_eager(h, gate_R[start:start + n]) @ down_EFD[e])
         if total > n:
             pieces.append(x_RD.new_zeros(total - n, down_EFD.shape[-1]))
     stats["padded_rows"] = sum(kept)
@@ -246,10 +260,10 @@ def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
                stats: dict) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
-    offs_E = plan.counts_E.cumsum(0).to(torch.int32)
+    offs_E = plan.ends_E.to(torch.int32)
     h_RF2 = GROUPED_MM(x_RD, gate_up_EDF2, offs=offs_E)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return combine(GROUPED_MM(_native_swiglu(h_RF2, gate_R), down_EFD, offs=offs_E), plan)
+    return combine(GROUPED_MM(swiglu(h_RF2, gate_R), down_EFD, offs=offs_E), plan)
 
 
 def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
@@ -278,8 +292,12 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
         stats["padded_rows"] = 0
         return x_ND.new_zeros(x_ND.shape[0], down_EFD.shape[-1])
     padded = sum(caps)
-    perm_G = torch.tensor(experts, device=device)
-    caps_G = torch.tensor(caps, device=device)
+    n_experts, n_grouped = gate_up_EDF2.shape[0], len(experts)
+    group_of = [-1] * n_experts       # each expert's place in the grouped order (-1: in no group)
+    for i, e in enumerate(experts):
+        group_of[e] = i
+    perm_G, caps_G, group_of_E = _host_to_device(experts + caps + group_of, device).split(
+        [n_grouped, n_grouped, n_experts])
     pad_start_G = caps_G.cumsum(0) - caps_G
     # Which sorted row feeds each padded slot.
     slot_expert_P = torch.repeat_interleave(torch.arange(len(experts), device=device), caps_G, output_size=padded)
@@ -287,8 +305,6 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
     valid_P = slot_pos_P < plan.kept_counts_E[perm_G][slot_expert_P]
     src_P = torch.where(valid_P, plan.starts_E[perm_G][slot_expert_P] + slot_pos_P, 0)
     # Which padded slot holds each routed row's output (-1: dropped by capacity, reads zero).
-    group_of_E = torch.full((gate_up_EDF2.shape[0],), -1, dtype=torch.long, device=device)
-    group_of_E[perm_G] = torch.arange(len(experts), device=device)
     position_R = torch.arange(plan.expert_R.shape[0], device=device) - plan.starts_E[plan.expert_R]
     dest_R = pad_start_G.index_select(0, group_of_E[plan.expert_R].clamp(min=0)) + position_R
     dropped = plan.kept_R is not None
@@ -301,19 +317,18 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
 
     x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
     gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
-    # One gather of the grouped experts' weights, split into group views below; experts in no
-    # group (only looked for when there are some) get a zero gradient.
-    idle_experts = len(experts) < gate_up_EDF2.shape[0]
-    gate_up_G = gather_rows(gate_up_EDF2, perm_G, group_of_E, inverse_masked=idle_experts)
-    down_G = gather_rows(down_EFD, perm_G, group_of_E, inverse_masked=idle_experts)
-    # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
+    # Each group's expert weights; experts in no group get a zero gradient.
     sizes = [len(members) for _, members in groups]
+    covers_all = n_grouped == n_experts
+    gate_up_groups = _GatherGroups.apply(gate_up_EDF2, perm_G, sizes, covers_all)
+    down_groups = _GatherGroups.apply(down_EFD, perm_G, sizes, covers_all)
+    # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
     slots = [cap * g for (cap, _), g in zip(groups, sizes)]
     outputs = []
     for (cap, _), g, x_flat, gate_flat, gate_up_g, down_g in zip(
-            groups, sizes, x_PD.split(slots), gate_P.split(slots), gate_up_G.split(sizes), down_G.split(sizes)):
+            groups, sizes, x_PD.split(slots), gate_P.split(slots), gate_up_groups, down_groups):
         h_GCF2 = torch.bmm(x_flat.view(g, cap, -1), gate_up_g)
-        act_GCF = _swiglu_eager(h_GCF2, gate_flat.view(g, cap))
+        act_GCF = swiglu(h_GCF2, gate_flat.view(g, cap))
         outputs.append(torch.bmm(act_GCF, down_g).view(g * cap, -1))
     stats["padded_rows"] = padded
     y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -101,7 +101,9 @@ class PooledMLP(nn.Module):
     def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_ids_NK: Tensor) -> Tensor:
         aux = logits_NE.new_zeros(())
         if self.balance_coef > 0 and probs_NE.shape[0] > 0:
-            counts_E = torch.bincount(expert_ids_NK.reshape(-1), minlength=self.n_experts).float()
+            # Counted with index_add (exact for whole numbers in fp32): bincount on CUDA syncs the host.
+            flat = expert_ids_NK.reshape(-1)
+            counts_E = probs_NE.new_zeros(self.n_experts).index_add_(0, flat, probs_NE.new_ones(flat.shape))
             if self.count_reducer is not None:
                 counts_E = self.count_reducer(counts_E)
             f_E = counts_E / counts_E.sum().clamp(min=1)

@@ -216,3 +216,47 @@ def test_full_forward_router_and_stack_grads_match_across_paths(router):
     for path in paths[1:]:
         for name, u, v in zip(("output", "input", "router", "gate_up", "down"), grads[path], grads["loop"]):
             torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-4, msg=lambda m: f"{path} {name}: {m}")
+
+
+@pytest.mark.parametrize("path", ["grouped", "rectangle"])
+def test_paths_traced_by_torch_compile_match_eager_in_gradients(path):
+    """train.compile = true traces the dispatch Functions (gather-groups, masked takes, host sync)."""
+    n_chars, bias = SCENARIOS["empty_experts"]
+    pool = make_pool(capacity_factor=1.0)
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    want = run(pool, path, x, ids, gates)
+    torch._dynamo.reset()
+    forward = torch.compile(lambda x, g: pool.experts_forward(x, ids, g, path=path), backend="eager")
+    pool.zero_grad()
+    xc, gc = x.clone().requires_grad_(True), gates.clone().requires_grad_(True)
+    y = forward(xc, gc)
+    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    assert_same((y.detach(), xc.grad, pool.gate_up.grad, pool.down.grad, gc.grad), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cuda_bf16_training_paths_match_fp32_loop_in_gradients(scenario, capacity_factor):
+    """With gradients on CUDA the SwiGLU runs minagi's Triton kernels; the bucketed paths pass their
+    [G, C, 2F] groups, the native path its packed [R, 2F] rows; capacity drops rows on the way."""
+    n_chars, bias = SCENARIOS[scenario]
+    pool = make_pool(capacity_factor=capacity_factor)
+    x = torch.randn(n_chars, D)
+    ids, gates = routing(n_chars, bias)
+    ref = run(pool, "loop", x, ids, gates)
+    pool = pool.cuda()
+    weight = torch.randn(ref[0].shape, generator=torch.Generator().manual_seed(1)).cuda()  # run()'s
+    for path in ("grouped", "rectangle", "native"):
+        pool.zero_grad()
+        xc = x.cuda().requires_grad_(True)
+        gc = gates.cuda().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = pool.experts_forward(xc, ids.cuda(), gc, path=path)
+        (y.float() * weight).sum().backward()
+        got = (y.detach(), xc.grad, pool.gate_up.grad, pool.down.grad, gc.grad)
+        for name, u, v in zip(("output", "input grad", "gate_up grad", "down grad", "gate grad"), got, ref):
+            err = (u.float().cpu() - v).norm() / v.norm().clamp(min=1e-12)
+            assert err < 3e-2, f"{path} {name}: relative error {err:.3g}"

@@ -1,0 +1,68 @@
+"""The gated SwiGLU between an expert's two GEMMs: act = silu(h_gate) * h_up * gate.
+
+Shapes: h [rows, 2F] (the gate half, then the up half), gate [rows] -> act [rows, F].
+Gating here is linear, so it equals gating the expert's output, and spares the combine a pass over
+[R, D] and its backward.
+
+Two implementations of one function:
+  eager  -- torch ops. CPU, GPUs without Triton, and every call that needs no gradient (decoding).
+  triton -- NVIDIA GPU calls that need gradients: one hand-written kernel each way. The backward reads h and
+            the output gradient once and writes both halves of grad h and the gate's gradient in the
+            same pass; torch.compile's backward for the same function took two kernels that read h
+            twice (docs/LOG.md has the H200 times). Rows may change from call to call (the bucketed
+            path): nothing is recompiled.
+`FUSED_SWIGLU = "eager"` turns the kernels off (tools/bench_dispatch.py --swiglu eager). ROCm keeps the
+eager ops: the kernels have not been run on an AMD GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FUSED_SWIGLU = "auto"
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+_KERNELS_TESTED_HERE = TRITON_AVAILABLE and torch.version.hip is None  # run on NVIDIA GPUs only
+
+
+def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
+    """[..., 2F], [...] -> [..., F]."""
+    h_gate, h_up = h.chunk(2, dim=-1)
+    return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
+
+
+def swiglu(h: Tensor, gate: Tensor) -> Tensor:
+    """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls, else eager ops."""
+    if (not (h.is_cuda and h.requires_grad and FUSED_SWIGLU == "auto" and _KERNELS_TESTED_HERE)
+            or torch.compiler.is_compiling()):  # inside a compiled model, inductor fuses the eager ops
+        return swiglu_eager(h, gate)
+    lead = h.shape[:-1]
+    act = _SwiGLU.apply(h.reshape(-1, h.shape[-1]), gate.reshape(-1))  # [rows, F]
+    return act.view(*lead, -1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_RF2: Tensor, gate_R: Tensor) -> Tensor:
+        h_RF2, gate_R = h_RF2.contiguous(), gate_R.contiguous()
+        ctx.save_for_backward(h_RF2, gate_R)
+        return _kernels().forward(h_RF2, gate_R)
+
+    @staticmethod
+    def backward(ctx, grad_RF: Tensor):
+        h_RF2, gate_R = ctx.saved_tensors
+        return _kernels().backward(h_RF2, gate_R, grad_RF.contiguous())
+
+
+_KERNELS = None
+
+
+def _kernels():
+    """Import the Triton kernels on first use (importing triton costs ~1 s; CPU runs never do)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import swiglu_triton
+        _KERNELS = swiglu_triton
+    return _KERNELS
