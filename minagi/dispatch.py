@@ -279,8 +279,8 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
                groups: list[tuple[int, list[int]]], kept_rows: int, stats: dict) -> Tensor:
     """Run groups of experts as bmm pairs, each group padded to its own capacity.
 
-    The rows of all groups live in one flat padded buffer [P, D]; the weights of all grouped experts
-    are gathered once (a gather per group would allocate a whole-card gradient per group in backward).
+    The rows of all groups live in one flat padded buffer [P, D]; each group's expert weights are
+    gathered for it, and their gradients written straight into the card's (`_GatherGroups`).
     Characters are gathered straight into the padded buffer and summed straight out of it (no
     intermediate [R, D] in expert order). Padding slots read character 0 and their outputs are
     never read back, so they send no gradient.

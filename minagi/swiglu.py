@@ -6,8 +6,8 @@ Gating here is linear, so it equals gating the expert's output, and spares the c
 
 Two implementations of one function:
   eager  -- torch ops. CPU, GPUs without Triton, and every call that needs no gradient (decoding).
-  triton -- NVIDIA GPU calls that need gradients: one hand-written kernel each way. The backward reads h and
-            the output gradient once and writes both halves of grad h and the gate's gradient in the
+  triton -- NVIDIA GPUs (sm80+) in calls that need gradients: one hand-written kernel each way.
+            The backward reads h and the output gradient once and writes both halves of grad h and the gate's gradient in the
             same pass; torch.compile's backward for the same function took two kernels that read h
             twice (docs/LOG.md has the H200 times). Rows may change from call to call (the bucketed
             path): nothing is recompiled.
@@ -16,6 +16,7 @@ eager ops: the kernels have not been run on an AMD GPU.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -35,12 +36,25 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
 
 def swiglu(h: Tensor, gate: Tensor) -> Tensor:
     """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls, else eager ops."""
-    if (not (h.is_cuda and h.requires_grad and FUSED_SWIGLU == "auto" and _KERNELS_TESTED_HERE)
-            or torch.compiler.is_compiling()):  # inside a compiled model, inductor fuses the eager ops
+    if not _use_kernels(h):
         return swiglu_eager(h, gate)
     lead = h.shape[:-1]
     act = _SwiGLU.apply(h.reshape(-1, h.shape[-1]), gate.reshape(-1))  # [rows, F]
-    return act.view(*lead, -1)
+    return act.view(*lead, act.shape[-1])  # not -1: ambiguous when there are no rows
+
+
+def _use_kernels(h: Tensor) -> bool:
+    if not (h.is_cuda and h.requires_grad and FUSED_SWIGLU == "auto" and _KERNELS_TESTED_HERE):
+        return False
+    if torch.compiler.is_compiling():  # inside a compiled model, inductor fuses the eager ops
+        return False
+    return _capable(h.device.index if h.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    """Ampere or newer: bf16 in Triton needs sm80 (the kernels were run on sm90)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 class _SwiGLU(torch.autograd.Function):

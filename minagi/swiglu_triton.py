@@ -6,6 +6,8 @@ Math in fp32, results stored in the inputs' dtype. Offsets in int64: R * 2F pass
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,11 @@ def _block_f(width: int) -> int:
     return min(triton.next_power_of_2(width), 256)
 
 
+def _on(t: Tensor):
+    """Launch on t's GPU, not on the current one (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def forward(h_RF2: Tensor, gate_R: Tensor) -> Tensor:
     rows, width = h_RF2.shape[0], h_RF2.shape[1] // 2
     act_RF = h_RF2.new_empty(rows, width)
@@ -65,7 +72,8 @@ def forward(h_RF2: Tensor, gate_R: Tensor) -> Tensor:
         return act_RF
     block_r, block_f = 8, _block_f(width)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_f))
-    _forward_kernel[grid](h_RF2, gate_R, act_RF, rows, width, BLOCK_R=block_r, BLOCK_F=block_f)
+    with _on(h_RF2):
+        _forward_kernel[grid](h_RF2, gate_R, act_RF, rows, width, BLOCK_R=block_r, BLOCK_F=block_f)
     return act_RF
 
 
@@ -76,6 +84,7 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor) -> tuple[Tensor, Te
     if rows == 0:
         return grad_h, grad_gate
     block_r = 4
-    _backward_kernel[(triton.cdiv(rows, block_r),)](h_RF2, gate_R, grad_RF, grad_h, grad_gate, rows, width,
-                                                    BLOCK_R=block_r, BLOCK_F=_block_f(width))
+    with _on(h_RF2):
+        _backward_kernel[(triton.cdiv(rows, block_r),)](h_RF2, gate_R, grad_RF, grad_h, grad_gate, rows, width,
+                                                        BLOCK_R=block_r, BLOCK_F=_block_f(width))
     return grad_h, grad_gate

@@ -1,5 +1,6 @@
 """The Triton SwiGLU kernels compute the eager function, its input gradient and its gate gradient."""
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,39 @@ def test_kernels_match_fp64_eager_in_the_triton_interpreter():
             "t.check_kernels('cpu', torch.float32, 1e-5)")
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                          env={**__import__("os").environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# swiglu() itself through the kernels: its reshapes, the autograd Function, no rows (review finding:
+# `view(*lead, -1)` cannot infer -1 from 0 elements). _use_kernels is forced, since the interpreter
+# runs the kernels on CPU tensors.
+_WRAPPER_CHECK = """
+import torch
+from minagi import swiglu as module
+module._use_kernels = lambda h: True
+for shape in [(7, 12), (0, 12), (3, 5, 24), (2, 0, 8)]:
+    *lead, width = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    h = torch.randn(*lead, 2 * width, generator=gen).requires_grad_()
+    gate = torch.rand(*lead, generator=gen).requires_grad_()
+    grad = torch.randn(*lead, width, generator=gen)
+    act = module.swiglu(h, gate)
+    act.backward(grad)
+    h_ref, gate_ref = h.detach().clone().requires_grad_(), gate.detach().clone().requires_grad_()
+    ref = module.swiglu_eager(h_ref, gate_ref)
+    ref.backward(grad)
+    assert act.shape == ref.shape, (shape, act.shape)
+    for got, want in ((act, ref), (h.grad, h_ref.grad), (gate.grad, gate_ref.grad)):
+        torch.testing.assert_close(got.detach(), want.detach(), atol=1e-5, rtol=1e-4)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+def test_swiglu_through_the_kernels_keeps_leading_dims_and_handles_no_rows_in_the_triton_interpreter():
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _WRAPPER_CHECK], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
 
 
