@@ -7,10 +7,10 @@ Gating here is linear, so it equals gating the expert's output, and spares the c
 Two implementations of one function:
   eager  -- torch ops. CPU, GPUs without Triton, and every call that needs no gradient (decoding).
   triton -- NVIDIA GPUs (sm80+) in calls that need gradients: one hand-written kernel each way.
-            The backward reads h and the output gradient once and writes both halves of grad h and the gate's gradient in the
-            same pass; torch.compile's backward for the same function took two kernels that read h
-            twice (docs/LOG.md has the H200 times). Rows may change from call to call (the bucketed
-            path): nothing is recompiled.
+            The backward reads h and the output gradient once and writes both halves of grad h
+            and the gate's gradient in the same pass; torch.compile's backward for the same
+            function took two kernels that read h twice (docs/LOG.md has the H200 times). Rows may
+            change from call to call (the bucketed path): nothing is recompiled.
 `FUSED_SWIGLU = "eager"` turns the kernels off (tools/bench_dispatch.py --swiglu eager). ROCm keeps the
 eager ops: the kernels have not been run on an AMD GPU.
 """
