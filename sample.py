@@ -85,13 +85,17 @@ def resolve_checkpoint(path: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from minagi.checkpoint import CheckpointError
-    from minagi.data import VocabError
-    from minagi.devices import DeviceError, choose_device
-    from minagi.loading import load_trained
-    from minagi.sampling import SamplingError, default_prompt, generate
-
     out, err = sys.stdout, sys.stderr
+    from minagi.config import ConfigError
+    try:  # importing the model reads MINAGI_SWIGLU
+        from minagi.checkpoint import CheckpointError
+        from minagi.data import VocabError
+        from minagi.devices import DeviceError, choose_device
+        from minagi.loading import load_trained
+        from minagi.sampling import SamplingError, default_prompt, generate
+    except ConfigError as e:
+        print(f"error: {e}", file=err)
+        return 2
     try:
         path = resolve_checkpoint(args.checkpoint)
         device = choose_device(args.device, option="--device")

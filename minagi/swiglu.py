@@ -11,19 +11,23 @@ Two implementations of one function:
             and the gate's gradient in the same pass; torch.compile's backward for the same
             function took two kernels that read h twice (docs/LOG.md has the H200 times). Rows may
             change from call to call (the bucketed path): nothing is recompiled.
-`FUSED_SWIGLU = "eager"` turns the kernels off (tools/bench_dispatch.py --swiglu eager). ROCm keeps the
-eager ops: the kernels have not been run on an AMD GPU.
+`FUSED_SWIGLU = "eager"` turns the kernels off (tools/bench_dispatch.py --swiglu eager; for a training
+run, the environment variable MINAGI_SWIGLU=eager). ROCm keeps the eager ops: the kernels have not been
+run on an AMD GPU.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FUSED_SWIGLU = "auto"
+from .config import ConfigError
+
+FUSED_SWIGLU = os.environ.get("MINAGI_SWIGLU", "auto")  # "auto" or "eager"
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _KERNELS_TESTED_HERE = TRITON_AVAILABLE and torch.version.hip is None  # run on NVIDIA GPUs only
 
@@ -32,6 +36,11 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
     """[..., 2F], [...] -> [..., F]."""
     h_gate, h_up = h.chunk(2, dim=-1)
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
+
+
+if FUSED_SWIGLU not in ("auto", "eager"):
+    raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {FUSED_SWIGLU!r}",
+                      "MINAGI_SWIGLU")
 
 
 def swiglu(h: Tensor, gate: Tensor) -> Tensor:
