@@ -28,6 +28,9 @@ from torch import Tensor
 from .config import ConfigError
 
 FUSED_SWIGLU = os.environ.get("MINAGI_SWIGLU", "auto")  # "auto" or "eager"
+if FUSED_SWIGLU not in ("auto", "eager"):
+    raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {FUSED_SWIGLU!r}",
+                      "MINAGI_SWIGLU")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _KERNELS_TESTED_HERE = TRITON_AVAILABLE and torch.version.hip is None  # run on NVIDIA GPUs only
 
@@ -36,11 +39,6 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
     """[..., 2F], [...] -> [..., F]."""
     h_gate, h_up = h.chunk(2, dim=-1)
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
-
-
-if FUSED_SWIGLU not in ("auto", "eager"):
-    raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {FUSED_SWIGLU!r}",
-                      "MINAGI_SWIGLU")
 
 
 def swiglu(h: Tensor, gate: Tensor) -> Tensor:
@@ -57,7 +55,7 @@ def _use_kernels(h: Tensor) -> bool:
         return False
     if torch.compiler.is_compiling():  # inside a compiled model, inductor fuses the eager ops
         return False
-    return _capable(h.device.index if h.device.index is not None else torch.cuda.current_device())
+    return _capable(h.device.index)  # a CUDA tensor's device always has an index
 
 
 @functools.cache
