@@ -86,16 +86,11 @@ def resolve_checkpoint(path: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
-    from minagi.config import ConfigError
-    try:  # importing the model reads MINAGI_SWIGLU
-        from minagi.checkpoint import CheckpointError
-        from minagi.data import VocabError
-        from minagi.devices import DeviceError, choose_device
-        from minagi.loading import load_trained
-        from minagi.sampling import SamplingError, default_prompt, generate
-    except ConfigError as e:
-        print(f"error: {e}", file=err)
-        return 2
+    from minagi.checkpoint import CheckpointError
+    from minagi.data import VocabError
+    from minagi.devices import DeviceError, choose_device
+    from minagi.loading import load_trained
+    from minagi.sampling import SamplingError, default_prompt, generate
     try:
         path = resolve_checkpoint(args.checkpoint)
         device = choose_device(args.device, option="--device")
@@ -118,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted before writing began", file=err)
         return 130
 
-    print(f"{path}: step {step}, {model.cfg.n_rows} rows x {model.cfg.n_experts} experts, "
+    mlp = f"{model.pool_cfg.n_experts} experts" if model.cfg.mlp == "pooled" else "dense"
+    print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, "
           f"{vocab.size} characters, context {model.cfg.context}, on {device.type}", file=err, flush=True)
     written, code = 0, 0
     start = time.perf_counter()  # reset below, after the echo

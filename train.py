@@ -6,12 +6,15 @@
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
-Exit codes: 0 done, 2 bad configuration / data / checkpoint, 3 the loss became NaN/inf, 130 Ctrl-C.
+The environment variable MINAGI_SWIGLU=eager is read here and only here: it sets pool.swiglu.
+Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder, 3 the loss became NaN/inf,
+130 Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -19,8 +22,10 @@ from minagi import devices, distributed
 from minagi.checkpoint import CheckpointError
 from minagi.config import ConfigError, load_config
 from minagi.data import DataError
+from minagi.runlog import RunFolderError
 
-USAGE_ERRORS = (ConfigError, DataError, CheckpointError, devices.DeviceError, distributed.LaunchError)
+USAGE_ERRORS = (ConfigError, DataError, CheckpointError, RunFolderError, devices.DeviceError,
+                distributed.LaunchError)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -29,22 +34,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      "(default: cuda_small with a GPU, cpu_tiny without)")
     p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one setting (repeatable); on --resume only train.steps")
+                   help="override one setting (repeatable); on --resume only train.steps, "
+                        "pool.sink_ratio and pool.swiglu")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
     return p.parse_args(argv)
+
+
+def environment_overrides(environ=os.environ) -> list[str]:
+    """--set items from the environment: MINAGI_SWIGLU=auto|eager -> pool.swiglu."""
+    value = environ.get("MINAGI_SWIGLU")
+    if value is None:
+        return []
+    if value not in ("auto", "eager"):
+        raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {value!r}",
+                          "MINAGI_SWIGLU")
+    return [f"pool.swiglu={value}"]
 
 
 def resolve(args: argparse.Namespace) -> tuple:
     """(config, profile name) from the arguments, or from the run folder on --resume."""
     from minagi.trainer import resume_config
 
+    args.sets = environment_overrides() + args.sets  # a --set of the same key wins
     if args.resume:
         given = [flag for flag, value in (("--profile", args.profile), ("--data", args.data),
                                           ("--run-name", args.run_name)) if value]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot be combined with --resume (the run keeps "
-                              "its own settings; only --set train.steps=N may extend it)")
+                              "its own settings; --set train.steps=N extends it)")
         return resume_config(args.resume, args.sets)
     profile = args.profile
     if profile is None:
@@ -82,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         check_world_size(cfg, ranks.world_size)
         # Before anything touches the GPU: the allocator reads its settings at the first allocation.
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
-        device = devices.choose_device(cfg.train.device)
-        with distributed.process_group(ranks, device):
+        device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
+        with distributed.process_group(ranks, device) as device:
             joined = True
             try:
                 result = train(cfg, profile, args.resume, rank=ranks.rank, world_size=ranks.world_size,
-                               argv=[sys.executable, "train.py", *argv])
+                               device=device, argv=[sys.executable, "train.py", *argv])
             except NonFiniteLossError as e:
                 # The loss checked is the mean over ranks: every rank stops at this step; rank 0 says so.
                 if ranks.is_main:

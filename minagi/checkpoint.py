@@ -11,15 +11,18 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "capture_rng_state", "restore_rng_state"]
+from .atomic import atomic_write
+from .config import upgrade_config_dict
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "CheckpointError", "capture_rng_state", "copy_checkpoint", "load_checkpoint",
+           "restore_rng_state", "save_checkpoint", "upgrade_payload"]
+
+FORMAT_VERSION = 2  # 2: the [pool] config section and the pool's router / experts submodules
 
 # What torch.load(weights_only=True) accepts that a payload may hold (checked at save time, so a bad
 # payload fails when it is written, not at resume hours later).
@@ -58,26 +61,9 @@ def _check_plain(value: Any, where: str, path: str) -> None:
                           "which torch.load(weights_only=True) refuses; store a tensor, list or number instead")
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable. Directories cannot be opened on Windows: skip there.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass        # some filesystems (e.g. network mounts) refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | os.PathLike, payload: dict) -> None:
-    """Write payload (+ format_version) to path atomically: the old file stays whole until the rename.
-
-    Writes <path>.tmp-<pid> beside it, flushes and fsyncs it, os.replace()s it over path, then fsyncs
-    the directory. On any failure (including KeyboardInterrupt) the temp file is removed.
-    """
+    """Write payload (+ format_version) to path atomically: the old file stays whole until the rename
+    (minagi/atomic.py); on any failure, Ctrl-C included, the temporary file is removed."""
     path = Path(path)
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path}: payload must be a dict, got {type(payload).__name__}")
@@ -88,34 +74,16 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-    _replace_atomically(path, write)
-
-
-def _replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """write(<path>.tmp-<pid>), then rename it over path; the temp file never outlives a failure."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-        # rename(2) of a hard link over another link of the same file does nothing and succeeds
-        # (copy_checkpoint onto its existing link): the temp name would stay behind.
-        tmp.unlink(missing_ok=True)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    atomic_write(path, write)
 
 
 def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Make dst the same checkpoint as src, atomically, without serialising it again.
 
-    A hard link where the filesystem has them (instant: best.pt of a 410M-parameter run is ~5 GB, and
-    torch.save of it took tens of seconds on the H200 machine), else a byte copy. Safe because
-    save_checkpoint never writes into an existing file: it replaces it with a new one, so a later
-    last.pt leaves the linked best.pt as it was.
+    A hard link where the filesystem has them (instant, where torch.save of a large checkpoint takes
+    tens of seconds: docs/LOG.md, "Checkpoints"), else a byte copy. Safe because save_checkpoint never
+    writes into an existing file: it replaces it with a new one, so a later last.pt leaves the linked
+    best.pt as it was.
     """
     src = Path(src)
 
@@ -124,9 +92,7 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
             os.link(src, tmp)
         except OSError:  # no hard links here (FAT, some network mounts): copy the bytes
             shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-    _replace_atomically(Path(dst), write)
+    atomic_write(Path(dst), write)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
@@ -155,6 +121,30 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format_version {version} is newer than this code reads "
                               f"({FORMAT_VERSION}); update minagi to load it")
+    return upgrade_payload(payload) if version < FORMAT_VERSION else payload
+
+
+# Format 1 held the pool's stacks and bias on the pool itself; format 2 in its router and experts.
+_RENAMED_IN_FORMAT_2 = ((".mlp.gate_up", ".mlp.experts.gate_up"), (".mlp.down", ".mlp.experts.down"),
+                        (".mlp.selection_bias", ".mlp.router.selection_bias"))
+
+
+def upgrade_payload(payload: dict) -> dict:
+    """A format-1 checkpoint as format 2: config sections and model keys renamed, nothing recomputed
+    (the parameters keep their order, so the optimizer state still fits)."""
+    payload = dict(payload)
+    if isinstance(payload.get("config"), dict):
+        payload["config"] = upgrade_config_dict(payload["config"])
+    if isinstance(payload.get("model"), dict):
+        renamed = {}
+        for key, value in payload["model"].items():
+            for old, new in _RENAMED_IN_FORMAT_2:
+                if key.endswith(old):
+                    key = key[:-len(old)] + new
+                    break
+            renamed[key] = value
+        payload["model"] = renamed
+    payload["format_version"] = FORMAT_VERSION
     return payload
 
 

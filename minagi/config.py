@@ -1,13 +1,13 @@
 """Strict configuration: one frozen, keyword-only dataclass per component, loaded from TOML.
 
-A profile (``profiles/<name>.toml``) has one table per component -- ``[model]``, ``[data]``,
-``[train]``, ``[memory]`` -- and may carry a top-level ``description = "..."``. Precedence:
+A profile (``profiles/<name>.toml``) has one table per component -- ``[model]``, ``[pool]``,
+``[data]``, ``[train]``, ``[memory]`` -- and may carry a top-level ``description = "..."``. Precedence:
 ``--set section.key=value`` > profile > dataclass defaults.
 
 Loading is strict (torchtitan's habit): an unknown section or key, a wrong type, a value outside a
 ``Literal`` or an impossible value raises :class:`ConfigError`, whose message is ONE line naming
 the source (file or ``--set``) and the dotted key, e.g.
-``profiles/foo.toml: unknown key 'model.n_expert' (valid: ...); did you mean 'n_experts'?``.
+``profiles/foo.toml: unknown key 'pool.n_expert' (valid: ...); did you mean 'n_experts'?``.
 """
 
 import dataclasses
@@ -137,7 +137,7 @@ class _Section:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(_Section):
-    """The char LM: rows of attention + a pooled MoE MLP."""
+    """The char LM: rows of attention + an MLP, pooled experts (`[pool]`) or a dense SwiGLU twin."""
 
     section: ClassVar[str] = "model"
 
@@ -145,6 +145,34 @@ class ModelConfig(_Section):
     d_model: int = 64
     n_heads: int = 4
     context: int = 64  # characters per training sequence (and max KV length default)
+    rope_base: float = 10000.0
+    mlp: Literal["pooled", "dense"] = "pooled"
+    d_dense: int = 0  # the dense twin's hidden width; 0 = pool.top_k * pool.d_expert (equal active compute)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def _validate(self) -> None:
+        self._at_least(1, "n_rows", "d_model", "n_heads", "context")
+        self._at_least(0, "d_dense")
+        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                 f"must be a multiple of n_heads ({self.n_heads})")
+        _require(self.head_dim % 2 == 0, "model.d_model", self.d_model,
+                 f"head dim d_model // n_heads = {self.head_dim} must be even "
+                 "(RoPE rotates pairs of channels)")
+        self._positive("rope_base")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig(_Section):
+    """One row's pooled experts: the router, the card of experts and how they are dispatched.
+
+    Passed whole to `PooledMLP`; checked here once.
+    """
+
+    section: ClassVar[str] = "pool"
+
     n_experts: int = 8
     top_k: int = 2
     d_expert: int = 64  # F, the expert width
@@ -154,25 +182,20 @@ class ModelConfig(_Section):
     z_loss_coef: float = 0.0
     aux_free_bias: bool = False  # DeepSeek-V3 selection bias
     bias_update_rate: float = 1e-3
-    sink_ratio: float = 4.0
-    rope_base: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
+    swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
 
     def _validate(self) -> None:
-        self._at_least(1, "n_rows", "d_model", "n_heads", "context", "n_experts", "top_k",
-                       "d_expert")
-        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
-                 f"must be a multiple of n_heads ({self.n_heads})")
-        _require(self.head_dim % 2 == 0, "model.d_model", self.d_model,
-                 f"head dim d_model // n_heads = {self.head_dim} must be even "
-                 "(RoPE rotates pairs of channels)")
-        _require(self.top_k <= self.n_experts, "model.top_k", self.top_k,
+        self._at_least(1, "n_experts", "top_k", "d_expert")
+        _require(self.top_k <= self.n_experts, "pool.top_k", self.top_k,
                  f"top_k must be <= n_experts ({self.n_experts})")
         self._at_least(0, "capacity_factor", "balance_coef", "z_loss_coef", "bias_update_rate")
-        self._positive("sink_ratio", "rope_base")
+        self._positive("sink_ratio")
+
+    @property
+    def dense_width(self) -> int:
+        """The hidden width of a dense SwiGLU with this pool's active compute per character."""
+        return self.top_k * self.d_expert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +232,7 @@ class TrainConfig(_Section):
     eval_batches: int = 8
     seed: int = 1337
     compile: bool = False
+    checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
     run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
@@ -254,6 +278,7 @@ class Config:
     """The whole configuration: one field per component; TOML sections mirror the fields."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -265,9 +290,41 @@ class Config:
                 raise ConfigError(f"config.{f.name} must be a {f.type.__name__}, "
                                   f"got {type(value).__name__}", f.name)
 
+    @property
+    def dense_width(self) -> int:
+        """The dense twin's hidden width: model.d_dense, or the pool's active width when 0."""
+        return self.model.d_dense or self.pool.dense_width
+
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 _TOP_LEVEL_EXTRA = ("description",)  # allowed beside the sections; not part of Config
+
+# Settings a resumed run may change (with --set); any other difference would make the checkpoint and
+# the run folder describe a run that never happened.
+RESUMABLE_KEYS = (
+    "train.steps",      # extending a run
+    "pool.sink_ratio",  # reporting only: which loads the diagnostics call sinks
+    "pool.swiglu",      # the same function through other kernels
+)
+
+# Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].
+_POOL_KEYS_OF_FORMAT_1 = ("n_experts", "top_k", "d_expert", "capacity_factor", "dispatch", "balance_coef",
+                          "z_loss_coef", "aux_free_bias", "bias_update_rate", "sink_ratio")
+
+
+def upgrade_config_dict(d: Mapping) -> dict:
+    """A config dict as this code reads it: format 1's pool settings move from [model] to [pool].
+
+    Idempotent; a dict already in the current layout comes back equal.
+    """
+    d = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+    model = d.get("model")
+    if isinstance(model, dict) and any(k in model for k in _POOL_KEYS_OF_FORMAT_1):
+        pool = d.setdefault("pool", {})
+        for key in _POOL_KEYS_OF_FORMAT_1:
+            if key in model:
+                pool[key] = model.pop(key)
+    return d
 
 
 # --- dicts <-> Config -----------------------------------------------------------------------
@@ -287,6 +344,13 @@ def _hint(name: str, candidates) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _elsewhere(key: str, section: str) -> str:
+    """'; it belongs under [pool]: pool.top_k' when another section has the key (old profiles)."""
+    owners = [s for s, cls in SECTIONS.items()
+              if s != section and key in {f.name for f in dataclasses.fields(cls)}]
+    return f"; it belongs under [{owners[0]}]: {owners[0]}.{key}" if owners else ""
+
+
 def _section_from_dict(name: str, table: Mapping) -> Any:
     """Build one component from its table; errors are unprefixed (no source) but carry the key."""
     cls = SECTIONS[name]
@@ -295,7 +359,7 @@ def _section_from_dict(name: str, table: Mapping) -> Any:
     for key, value in table.items():
         if key not in types:
             raise ConfigError(f"unknown key '{name}.{key}' (valid: {_valid_list(types)})"
-                              f"{_hint(key, types)}", f"{name}.{key}")
+                              f"{_hint(key, types) or _elsewhere(key, name)}", f"{name}.{key}")
         kwargs[key] = _check_type(f"{name}.{key}", types[key], value)
     return cls(**kwargs)
 
@@ -379,17 +443,6 @@ def _read_profile(path: Path) -> dict:
         raise ConfigError(f"{source}: invalid TOML: {err}") from None
 
 
-def profile_description(name_or_path: str) -> str:
-    """The profile's optional top-level ``description`` ("" when absent)."""
-    path = resolve_profile(name_or_path)
-    data = _read_profile(path)
-    description = data.get("description", "")
-    if not isinstance(description, str):
-        raise ConfigError(f"{_display(path)}: description = {_fmt(description)} has the wrong "
-                          f"type: expected a string, got {_toml_type(description)}", "description")
-    return description
-
-
 # --- --set overrides --------------------------------------------------------------------------
 
 _KEY_RE = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*")
@@ -413,7 +466,7 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
     if name not in types:
         raise ConfigError(f"--set {key}: unknown key '{key}' (valid: {_valid_list(types)})"
-                          f"{_hint(name, types)}", key)
+                          f"{_hint(name, types) or _elsewhere(name, section)}", key)
     typ = types[name]
     try:
         parsed = tomllib.loads(f"v = {raw}")
@@ -468,20 +521,3 @@ def load_config(profile: str | None, overrides: Sequence[str] = ()) -> Config:
         path = resolve_profile(profile)
         cfg = config_from_dict(_read_profile(path), source=_display(path))
     return apply_overrides(cfg, overrides) if overrides else cfg
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        # JSON string escapes are TOML basic-string escapes; TOML also wants DEL escaped.
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    return repr(value)  # int, or a finite float ("0.001", "1e-05": both valid TOML)
-
-
-def config_to_toml(cfg: Config, description: str = "") -> str:
-    """The whole resolved config as a TOML profile (loads back to an equal Config)."""
-    lines = [f"description = {_toml_value(description)}"] if description else []
-    for section, table in config_to_dict(cfg).items():
-        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines).lstrip("\n") + "\n"

@@ -17,7 +17,7 @@ import torch
 __all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "autocast", "choose_device", "device_name",
            "memory_stats", "rss_bytes"]
 
-# REFERENCE.md §6: current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
+# Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
 # ROCm builds PYTORCH_HIP_ALLOC_CONF. Setting a name a given build does not read is harmless, and
 # the same value under every name means whichever the build reads first, it gets the one we meant.
 _GENERIC, _CUDA, _HIP = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"

@@ -6,14 +6,18 @@ Every path computes the same function; they differ only in how rows are padded:
   grouped   — experts grouped by load rounded with `_bucket`; one bmm pair per group.
   rectangle — every expert padded to the busiest one's load (the old path; one bmm pair).
 
+Weights come from the pool's expert stack (minagi/experts.py): tensors, or objects that bring their
+own `grouped_mm` / `group_bmm` (frozen NF4 stacks); the runners only ever multiply through those two.
+
 Shape legend:
   N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows,
-  P padded rows (grouped / rectangle), G experts in a group, C a group's capacity.
+  P padded rows (grouped / rectangle), G experts in a group, C a group's capacity,
+  I the rows a gather writes (R or P), S the rows it reads from.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +55,14 @@ def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu"
 
 
-def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype) -> str:
+def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str:
     """Turn the configured dispatch choice into a concrete path, once, when the model is built.
 
     `auto` takes native grouped GEMM where it is fast (CUDA sm90+, bf16) and the bucketed bmm path
     everywhere else (ROCm, older GPUs, CPU). An explicit `native` that cannot run is an error.
+    `native` in another dtype than bf16 on CUDA, or under torch.compile, takes the bucketed path:
+    the CUDA kernel and the meta kernel compile traces with are bf16-only (torch 2.13: fp32 fails to
+    trace though it runs eagerly on the CPU).
     """
     device = torch.device(device)
     if choice == "auto":
@@ -65,6 +72,8 @@ def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype
     if choice == "native" and GROUPED_MM is None:
         raise ValueError(f"dispatch = 'native' needs torch.nn.functional.grouped_mm or torch._grouped_mm; "
                          f"torch {torch.__version__} has neither (use 'grouped')")
+    if choice == "native" and dtype != torch.bfloat16 and (device.type == "cuda" or compiled):
+        return "grouped"
     return choice
 
 
@@ -109,8 +118,8 @@ def _take(x: Tensor, index: Tensor, masked: bool) -> Tensor:
     """x[index] along dim 0; rows where index < 0 are zero (only looked for when `masked`)."""
     if not masked:
         return x.index_select(0, index)
-    # Read a zero row appended to x: one copy of x, where masking the gathered rows afterwards was
-    # a broadcast masked_fill over the output (0.39 ms for [140k, 1024] on the H200, docs/LOG.md).
+    # Read a zero row appended to x: one copy of x, where masking the gathered rows afterwards was a
+    # broadcast masked_fill over the whole output (slower on the H200: docs/LOG.md, masked gathers).
     with_zero = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return with_zero.index_select(0, torch.where(index < 0, x.shape[0], index))
 
@@ -230,40 +239,82 @@ def sorted_gates(gates_NK: Tensor, plan: DispatchPlan) -> Tensor:
 def gather_sum(src_SD: Tensor, index_flat: Tensor, top_k: int, masked: bool) -> Tensor:
     """out[n] = sum_k src[index[n*K + k]]; index -1 reads zero (looked for when `masked`). [N, D].
 
-    Two eager passes (gather, then the K-way sum). A torch.compile'd one-pass version was slower on
-    the H200 (0.32 vs ~0.2 ms at [131k, 1024], docs/LOG.md).
+    Two eager passes (gather, then the K-way sum): a torch.compile'd one-pass version was slower on
+    the H200 (docs/LOG.md, "a compiled one-pass gather-and-sum").
     """
     return _take(src_SD, index_flat, masked).view(-1, top_k, src_SD.shape[-1]).sum(1)
+
+
+# ---------------------------------------------------------------- the two matmuls on expert weights
+
+class StackWeight(Protocol):
+    """What a non-tensor expert weight (e.g. a frozen NF4 stack) provides instead of a tensor."""
+
+    def grouped_mm(self, x_RD: Tensor, offs_E: Tensor) -> Tensor: ...
+
+    def group_bmm(self, x_groups: list[Tensor], experts_G: Tensor, sizes: list[int],
+                  covers_all: bool) -> list[Tensor]: ...
+
+
+Weight = Union[Tensor, StackWeight]
+
+
+def grouped_mm(x_RD: Tensor, weight: Weight, offs_E: Tensor) -> Tensor:
+    """Rows of expert e (offs_E[e-1]:offs_E[e]) times expert e's weight, packed: [R, D] -> [R, out]."""
+    if isinstance(weight, Tensor):
+        return GROUPED_MM(x_RD, weight, offs=offs_E)
+    return weight.grouped_mm(x_RD, offs_E)
+
+
+def group_bmm(x_groups: list[Tensor], weight: Weight, experts_G: Tensor, sizes: list[int],
+              covers_all: bool) -> list[Tensor]:
+    """For each group g of `sizes[g]` experts (their ids in order in `experts_G`): x_g [g, C, in] bmm
+    the group's weights [g, in, out]. `covers_all`: the groups hold every expert of the stack."""
+    if not x_groups:
+        return []
+    if isinstance(weight, Tensor):
+        weights = _GatherGroups.apply(weight, experts_G, sizes, covers_all)
+        return [torch.bmm(x, w) for x, w in zip(x_groups, weights)]
+    return weight.group_bmm(x_groups, experts_G, sizes, covers_all)
 
 
 # ---------------------------------------------------------------- paths: [N, D] -> [N, D]
 # Each takes the characters x_ND and their routing (plan, gates_NK), returns the gate-weighted sum
 # of their experts' outputs (rows dropped by capacity add nothing), and puts padded_rows into `stats`.
+# `fused`: the SwiGLU may use minagi's Triton kernels where they run (minagi/swiglu.py).
 
-def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
-             stats: dict) -> Tensor:
-    """The reference: one expert at a time over its kept rows; dropped rows get zeros."""
+def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
+             stats: dict, fused: bool = True) -> Tensor:
+    """The reference: one expert at a time over its kept rows (each its own group of one); dropped
+    rows get zeros; eager SwiGLU ops."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
+    counts, kept, starts = plan.counts_E.tolist(), plan.kept_counts_E.tolist(), plan.starts_E.tolist()
+    experts = [e for e, n in enumerate(kept) if n > 0]
+    rows = [slice(starts[e], starts[e] + kept[e]) for e in experts]
+    ids_G = _host_to_device(experts, x_ND.device)
+    ones, covers_all = [1] * len(experts), len(experts) == len(counts)
+    h = group_bmm([x_RD[r].unsqueeze(0) for r in rows], gate_up, ids_G, ones, covers_all)  # each [1, n, 2F]
+    act = [swiglu_eager(h_e, gate_R[r].unsqueeze(0)) for h_e, r in zip(h, rows)]
+    y = iter(group_bmm(act, down, ids_G, ones, covers_all))
+    width = x_ND.shape[-1]
     pieces = []
-    counts, kept = plan.counts_E.tolist(), plan.kept_counts_E.tolist()
-    for e, (start, total, n) in enumerate(zip(plan.starts_E.tolist(), counts, kept)):
+    for total, n in zip(counts, kept):
         if n > 0:
-            h = x_RD[start:start + n] @ gate_up_EDF2[e]
-            pieces.append(swiglu_eager(h, gate_R[start:start + n]) @ down_EFD[e])
+            pieces.append(next(y)[0])
         if total > n:
-            pieces.append(x_RD.new_zeros(total - n, down_EFD.shape[-1]))
+            pieces.append(x_RD.new_zeros(total - n, width))
     stats["padded_rows"] = sum(kept)
-    return combine(torch.cat(pieces) if pieces else x_RD.new_zeros(0, down_EFD.shape[-1]), plan)
+    return combine(torch.cat(pieces) if pieces else x_RD.new_zeros(0, width), plan)
 
 
-def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
-               stats: dict) -> Tensor:
+def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
+               stats: dict, fused: bool = True) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     offs_E = plan.ends_E.to(torch.int32)
-    h_RF2 = GROUPED_MM(x_RD, gate_up_EDF2, offs=offs_E)
+    h_RF2 = grouped_mm(x_RD, gate_up, offs_E)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return combine(GROUPED_MM(swiglu(h_RF2, gate_R), down_EFD, offs=offs_E), plan)
+    return combine(grouped_mm(swiglu(h_RF2, gate_R, fused), down, offs_E), plan)
 
 
 def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
@@ -275,12 +326,12 @@ def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
     return sorted(groups.items(), reverse=True)
 
 
-def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: Tensor, plan: DispatchPlan,
-               groups: list[tuple[int, list[int]]], kept_rows: int, stats: dict) -> Tensor:
+def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
+               groups: list[tuple[int, list[int]]], kept_rows: int, stats: dict, fused: bool = True) -> Tensor:
     """Run groups of experts as bmm pairs, each group padded to its own capacity.
 
     The rows of all groups live in one flat padded buffer [P, D]; each group's expert weights are
-    gathered for it, and their gradients written straight into the card's (`_GatherGroups`).
+    gathered for it (`group_bmm`), and their gradients written straight into the card's.
     Characters are gathered straight into the padded buffer and summed straight out of it (no
     intermediate [R, D] in expert order). Padding slots read character 0 and their outputs are
     never read back, so they send no gradient.
@@ -290,9 +341,9 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
     caps = [c for c, members in groups for _ in members]
     if not experts:  # every row dropped or no rows at all
         stats["padded_rows"] = 0
-        return x_ND.new_zeros(x_ND.shape[0], down_EFD.shape[-1])
+        return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
     padded = sum(caps)
-    n_experts, n_grouped = gate_up_EDF2.shape[0], len(experts)
+    n_experts, n_grouped = plan.counts_E.shape[0], len(experts)
     group_of = [-1] * n_experts       # each expert's place in the grouped order (-1: in no group)
     for i, e in enumerate(experts):
         group_of[e] = i
@@ -317,36 +368,32 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up_EDF2: Tensor, down_EFD: T
 
     x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
     gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
-    # Each group's expert weights; experts in no group get a zero gradient.
     sizes = [len(members) for _, members in groups]
-    covers_all = n_grouped == n_experts
-    gate_up_groups = _GatherGroups.apply(gate_up_EDF2, perm_G, sizes, covers_all)
-    down_groups = _GatherGroups.apply(down_EFD, perm_G, sizes, covers_all)
+    covers_all = n_grouped == n_experts  # else experts in no group get a zero gradient
     # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
     slots = [cap * g for (cap, _), g in zip(groups, sizes)]
-    outputs = []
-    for (cap, _), g, x_flat, gate_flat, gate_up_g, down_g in zip(
-            groups, sizes, x_PD.split(slots), gate_P.split(slots), gate_up_groups, down_groups):
-        h_GCF2 = torch.bmm(x_flat.view(g, cap, -1), gate_up_g)
-        act_GCF = swiglu(h_GCF2, gate_flat.view(g, cap))
-        outputs.append(torch.bmm(act_GCF, down_g).view(g * cap, -1))
+    shapes = [(g, cap) for (cap, _), g in zip(groups, sizes)]
+    x_groups = [x.view(g, cap, -1) for x, (g, cap) in zip(x_PD.split(slots), shapes)]
+    h_groups = group_bmm(x_groups, gate_up, perm_G, sizes, covers_all)                       # [G, C, 2F]
+    act_groups = [swiglu(h, gate.view(g, cap), fused) for h, gate, (g, cap) in zip(h_groups, gate_P.split(slots), shapes)]
+    outputs = [y.view(g * cap, -1) for y, (g, cap) in zip(group_bmm(act_groups, down, perm_G, sizes, covers_all), shapes)]
     stats["padded_rows"] = padded
     y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
 
 
-def run_grouped(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, stats):
+def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True):
     # One host sync: group shapes must be known to launch the bmms.
     kept = plan.kept_counts_E.tolist()
     groups = group_by_bucket(kept)
     stats["groups"] = len(groups)
-    return run_padded(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, groups, sum(kept), stats)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, groups, sum(kept), stats, fused)
 
 
-def run_rectangle(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, stats):
+def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True):
     kept = plan.kept_counts_E.tolist()
     groups = [(max(kept), list(range(len(kept))))] if max(kept) > 0 else []
-    return run_padded(x_ND, gates_NK, gate_up_EDF2, down_EFD, plan, groups, sum(kept), stats)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, groups, sum(kept), stats, fused)
 
 
 RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}

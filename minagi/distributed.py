@@ -128,8 +128,9 @@ def _active(world_size: int) -> bool:
 def all_reduce_sum(t: Tensor) -> Tensor:
     """The sum over ranks of `t`, as a new tensor (`t` stays this rank's).
 
-    PooledMLP.count_reducer: called inside the forward on detached counts, the same number of times
-    on every rank (every pool routes every call), so it is an ordinary collective for DDP.
+    PooledMLP.count_reducer: called inside the forward on detached counts, once per pool per forward
+    on every rank (every pool routes every call; a row's checkpoint replay reuses the forward's sum),
+    so it is an ordinary collective for DDP.
     """
     out = t.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -137,8 +138,9 @@ def all_reduce_sum(t: Tensor) -> Tensor:
 
 
 def install_count_reducers(model: torch.nn.Module) -> None:
-    """Make every pool reduce its routing counts over ranks (balance term f_i, aux-free bias loads,
-    sink diagnostics), so all ranks see the global batch's routing and select experts alike."""
+    """Make every pool reduce its balance-term counts f_i over ranks, so all ranks see the global
+    batch's routing. (The aux-free bias loads and the sink diagnostics are summed by the trainer, in
+    the step's one all-reduce.)"""
     for pool in model.pools():
         pool.count_reducer = all_reduce_sum
 
@@ -149,9 +151,8 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPar
     find_unused_parameters stays off: an expert stack is one parameter, and every dispatch path
     gives all of it a gradient (zeros for idle experts) whenever the pool routes a row
     (tests/test_ddp.py checks it). Frozen parameters (requires_grad False) are left out of the
-    gradient buckets by DDP itself. Buffers are not broadcast before each forward: they are routing
-    counters, summed over ranks where they are read, and the selection bias, kept identical by the
-    summed loads; rank 0's copies must not overwrite the others' counts.
+    gradient buckets by DDP itself. Buffers are not broadcast before each forward: the selection bias
+    is kept identical on every rank by the summed loads, and frozen stacks are the same everywhere.
     """
     no_buffer_sync = ({"forward_sync_buffers": False}  # newer torch's name (still syncs at init: fine)
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters

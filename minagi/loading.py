@@ -14,7 +14,8 @@ from .model import CharLM, build_model
 def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, dict]:
     """(model in eval mode on `device`, its vocabulary, the checkpoint payload).
 
-    Every problem is a one-line CheckpointError naming the file.
+    Every problem is a one-line CheckpointError naming the file. Checkpoints of format 1 (before the
+    [pool] section) are read through `checkpoint.upgrade_payload`.
     """
     payload = load_checkpoint(path, map_location="cpu")
     missing = [key for key in ("model", "config", "vocab") if key not in payload]
@@ -25,7 +26,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     vocab = Vocab.from_chars(payload["vocab"])
-    model = build_model(cfg.model, vocab.size, device)
+    model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:

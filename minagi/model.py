@@ -1,4 +1,4 @@
-"""The character-level MoE language model: rows of attention + PooledMLP, and a KV cache.
+"""The character-level MoE language model: rows of attention + PooledMLP (or the dense twin), and a KV cache.
 
 Shape legend: B batch, T positions, D model width, H heads, Dh head width, V vocabulary,
 L cached length, N = B*T characters.
@@ -6,22 +6,25 @@ L cached length, N = B*T characters.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import ModelConfig
+from .config import ModelConfig, PoolConfig
+from .dense import DenseMLP
 from .dispatch import resolve_dispatch
-from .pool import PooledMLP
+from .pool import MLPAux, PooledMLP
+from .router import Router
 
 
 class LMOutput(NamedTuple):
     logits: Tensor            # [B, T, V]
     loss: Tensor | None       # mean cross-entropy in nats, when targets are given
     aux_loss: Tensor          # routing terms (balance + z-loss), already weighted; add to loss to train
+    routing: list             # per row: its pool's RouteCounts (None for a dense row); the trainer counts them
 
 
 class KVCache:
@@ -62,7 +65,7 @@ def apply_rope(x_BHTd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_base = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.rope_base
+        self.n_heads, self.head_dim, self.rope_base = cfg.n_heads, cfg.head_dim, cfg.rope_base
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
@@ -85,20 +88,16 @@ class Attention(nn.Module):
 
 
 class Row(nn.Module):
-    """Pre-norm causal self-attention, then a PooledMLP."""
+    """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module]):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model)
-        self.mlp = PooledMLP(cfg.d_model, cfg.d_expert, cfg.n_experts, cfg.top_k,
-                             capacity_factor=cfg.capacity_factor, dispatch=cfg.dispatch,
-                             balance_coef=cfg.balance_coef, z_loss_coef=cfg.z_loss_coef,
-                             aux_free_bias=cfg.aux_free_bias, bias_update_rate=cfg.bias_update_rate,
-                             sink_ratio=cfg.sink_ratio)
+        self.mlp = make_mlp()  # built after the attention: the order in which parameters draw from the seed
 
-    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> tuple[Tensor, MLPAux]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), row, cache)
         B, T, D = x_BTD.shape
         y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D))
@@ -106,11 +105,18 @@ class Row(nn.Module):
 
 
 class CharLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    """Embedding, `n_rows` rows, final norm, head. `forward(idx, targets=None, cache=None) -> LMOutput`."""
+
+    def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
+                 dense_width: int = 0):
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
+        self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        self.rows = nn.ModuleList(Row(cfg) for _ in range(cfg.n_rows))
+        if cfg.mlp == "pooled":
+            mlp = lambda: PooledMLP(cfg.d_model, pool, path)  # noqa: E731
+        else:
+            mlp = lambda: DenseMLP(cfg.d_model, dense_width or pool.dense_width)  # noqa: E731
+        self.rows = nn.ModuleList(Row(cfg, mlp) for _ in range(cfg.n_rows))
         self.final_norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self._init_weights()
@@ -119,7 +125,7 @@ class CharLM(nn.Module):
         # GPT-2 style: 0.02 everywhere, residual outputs scaled by 1/sqrt(2 * rows).
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_rows)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, Router)):
                 nn.init.normal_(module.weight, std=0.02)
         for row in self.rows:
             nn.init.normal_(row.attn.proj.weight, std=residual_std)
@@ -128,29 +134,30 @@ class CharLM(nn.Module):
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> LMOutput:
         x = self.embed(idx_BT)
         aux = x.new_zeros((), dtype=torch.float32)
+        routing = []
         for i, row in enumerate(self.rows):
             x, row_aux = row(x, i, cache)
-            aux = aux + row_aux
+            aux = aux + row_aux.loss
+            routing.append(row_aux.counts)
         if cache is not None:
             cache.length += idx_BT.shape[1]
         logits = self.head(self.final_norm(x))
         loss = None
         if targets_BT is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1))
-        return LMOutput(logits, loss, aux)
+        return LMOutput(logits, loss, aux, routing)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.cfg.n_rows, batch_size, self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads, max_len)
+        return KVCache(self.cfg.n_rows, batch_size, self.cfg.n_heads, self.cfg.head_dim, max_len)
 
     def pools(self) -> list[PooledMLP]:
-        return [row.mlp for row in self.rows]
+        """The rows' pools, in row order ([] for the dense twin)."""
+        return [row.mlp for row in self.rows if isinstance(row.mlp, PooledMLP)]
 
-    def sink_diagnostics(self, reset: bool = True) -> list[dict]:
-        return [{"row": i, **pool.read_diagnostics(reset)} for i, pool in enumerate(self.pools())]
-
-    def step_router_bias(self) -> None:
-        for pool in self.pools():
-            pool.step_bias()
+    def step_router_bias(self, load_LE: Tensor) -> None:
+        """The aux-free bias step of every pool from one training step's loads [pools, E]."""
+        for pool, load_E in zip(self.pools(), load_LE):
+            pool.router.step_bias(load_E, pool.cfg.bias_update_rate)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Decay matrices and expert stacks; not norms, gains, biases or any other 1-D parameter."""
@@ -159,13 +166,13 @@ class CharLM(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, device: torch.device | str) -> CharLM:
-    """Build on `device`, resolving dispatch `auto` once for it (bf16 compute on CUDA, fp32 elsewhere)."""
+def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,
+                dense_width: int = 0, compiled: bool = False) -> CharLM:
+    """Build on `device`, resolving dispatch `auto` once for it (bf16 compute on CUDA, fp32 elsewhere).
+
+    `compiled`: the model will run under torch.compile (some paths do not trace there).
+    """
     device = torch.device(device)
-    model = CharLM(cfg, vocab_size).to(device)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = resolve_dispatch(cfg.dispatch, device, compute_dtype)
-    for pool in model.pools():
-        pool.dispatch = path
-        pool._diag_path = path
-    return model
+    path = resolve_dispatch(pool.dispatch, device, compute_dtype, compiled)
+    return CharLM(cfg, pool, vocab_size, path, dense_width).to(device)

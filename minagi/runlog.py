@@ -1,23 +1,30 @@
-"""The run folder: run.json (what ran, where, from which commit) and history.jsonl (one record per eval).
+"""The run folder: run.json (what ran, where, from which commit), history.jsonl (one record per eval),
+last.pt / best.pt, and the lock that makes one process its owner (`RunFolder`).
 
-A run folder holds run.json, history.jsonl, last.pt and best.pt. history.jsonl is opened in append
-mode and every line is flushed and fsynced as it is written, so a crash loses at most the line being
-written and a resumed run simply continues the file.
+history.jsonl is opened in append mode and every line is flushed and fsynced as it is written, so a
+crash loses at most the line being written (and the checkpoint that carries it gives it back on
+resume); a resumed run simply continues the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["HISTORY_FIELDS", "History", "git_commit", "read_history", "read_run_info", "write_run_info"]
+from .atomic import atomic_write, stale_temp_files
+from .checkpoint import copy_checkpoint, save_checkpoint
+
+__all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
+           "write_run_info"]
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 
@@ -37,7 +44,7 @@ HISTORY_FIELDS = (
     "mem_allocated", "mem_reserved", "mem_peak_allocated", "mem_peak_reserved",
     "alloc_retries", "ooms",
     "rss_bytes",
-    "sinks",              # model.sink_diagnostics(reset=True): one dict per row, training steps only
+    "sinks",              # the routing meter's rows (minagi/diagnostics.py): training steps since the last record
     "dropped_fraction",   # mean over rows of the rows' dropped fraction
 )
 
@@ -58,19 +65,18 @@ def git_commit(repo_dir: Path = REPO_DIR) -> str | None:
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+    atomic_write(path, write)
 
 
 def write_run_info(run_dir: Path, *, config: dict, profile: str, device: str, argv: list[str],
-                   world_size: int = 1, resumed_at_step: int | None = None) -> dict:
+                   world_size: int = 1, resumed_at_step: int | None = None, extra: dict | None = None) -> dict:
     """Write run.json. On resume its `config` becomes the resumed one (train.steps may have grown)
-    and the resume is appended to `resumes`; the rest still describes the run's start."""
+    and the resume is appended to `resumes`; the rest still describes the run's start. `extra`
+    (e.g. the corpus) is merged in at the start, and kept on resume."""
     path = Path(run_dir) / "run.json"
     entry = {"start_time": _now(), "command": list(argv), "git_commit": git_commit(),
              "device": device, "world_size": world_size}
@@ -81,7 +87,7 @@ def write_run_info(run_dir: Path, *, config: dict, profile: str, device: str, ar
     else:
         info = {"profile": profile, "config": config, **entry,
                 "python": platform.python_version(), "torch": torch.__version__,
-                "numpy": np.__version__, "platform": platform.platform(), "resumes": []}
+                "numpy": np.__version__, "platform": platform.platform(), **(extra or {}), "resumes": []}
     _write_json_atomic(path, info)
     return info
 
@@ -148,3 +154,136 @@ def read_history(path: Path) -> list[dict]:
             if not line.startswith("{") or line.endswith("}"):
                 raise ValueError(f"{path}:{i}: not a history record ({e.msg})") from None
     return records
+
+
+# ---------------------------------------------------------------------------------- the run folder
+
+class RunFolderError(RuntimeError):
+    """A run folder that cannot be claimed or written; one line naming the file."""
+
+
+def _describe_os_error(path: Path, err: OSError) -> str:
+    reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err)).lower()
+    return f"{path}: cannot write: {reason}"
+
+
+class RunFolder:
+    """A run's folder, owned by one process while it trains.
+
+    run.json (what ran), history.jsonl (one record per evaluation), last.pt and best.pt (a hard link of
+    the last.pt of the best evaluation), and run.lock: held (an OS file lock, released by the system
+    on any exit, a kill included) from `claim` to `close`, so a second run of the same folder stops at
+    once. Each checkpoint of an evaluation carries that evaluation's record, and the record is appended
+    to the history after the checkpoint: a kill in between leaves a record that `reconcile` appends on
+    resume, so the history and the checkpoints cannot disagree.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.history: History | None = None
+        self.last_step: int | None = None  # the step last.pt holds, once known (written or resumed)
+        self._lock_fd: int | None = None
+
+    @property
+    def last(self) -> Path:
+        return self.path / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best.pt"
+
+    def holds_run(self) -> bool:
+        history = self.path / "history.jsonl"
+        return self.last.exists() or (history.exists() and history.stat().st_size > 0)
+
+    def claim(self) -> list[Path]:
+        """Create the folder if needed, take its lock, remove temporary files of dead processes
+        (returned). RunFolderError when another process holds the lock."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFolderError(_describe_os_error(self.path, err)) from None
+        self._lock_fd = _lock(self.path / "run.lock")
+        stale = stale_temp_files(self.path)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return stale
+
+    def start(self, **run_info) -> None:
+        """Write run.json (see `write_run_info`) and open the history for appending."""
+        self._guard(self.path / "run.json", lambda: write_run_info(self.path, **run_info))
+        self.history = History(self.path / "history.jsonl")
+
+    def save_last(self, payload: dict) -> None:
+        self._guard(self.last, lambda: save_checkpoint(self.last, payload), self.kept())
+        self.last_step = payload["step"]
+
+    def kept(self) -> str:
+        """What last.pt holds now, for messages about a failure."""
+        if self.last_step is not None:
+            return f"{self.last} keeps the last good checkpoint (step {self.last_step})"
+        return f"{self.last} keeps the last good checkpoint" if self.last.exists() else "no checkpoint was written"
+
+    def write_evaluation(self, payload: dict, record: dict, improved: bool) -> None:
+        """last.pt carrying `record`, best.pt when `improved`, then the history line."""
+        self.save_last({**payload, "record": record})
+        if improved:
+            self._guard(self.best, lambda: copy_checkpoint(self.last, self.best))
+        self._guard(self.history.path, lambda: self.history.append(record))
+
+    def reconcile(self, record: dict | None) -> bool:
+        """Append the checkpoint's `record` if the history lacks its step (a kill between the
+        checkpoint and the history line); True when it did."""
+        if record is None:
+            return False
+        path = self.path / "history.jsonl"
+        steps = {r.get("step") for r in read_history(path)} if path.exists() else set()
+        if record["step"] in steps:
+            return False
+        self._guard(path, lambda: self.history.append(record))
+        return True
+
+    def close(self) -> None:
+        if self.history is not None:
+            self.history.close()
+            self.history = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the lock
+            self._lock_fd = None
+
+    @staticmethod
+    def _guard(path: Path, write, kept: str = "") -> None:
+        try:
+            write()
+        except OSError as err:
+            raise RunFolderError(_describe_os_error(path, err) + (f"; {kept}" if kept else "")) from None
+
+
+
+def _lock(path: Path) -> int:
+    """Open and lock `path` without waiting; write our pid after byte 0 (the byte Windows locks)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if sys.platform == "win32":
+            import msvcrt
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        owner = _lock_owner(path)
+        raise RunFolderError(f"{path.parent}: another run is training in this folder ({owner}); wait for "
+                             "it to end, or choose another --run-name") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
+    return fd
+
+
+def _lock_owner(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(1)
+            return f.read(200).decode(errors="replace").strip() or "a process that has not written its pid yet"
+    except OSError:
+        return "a process this one cannot read"

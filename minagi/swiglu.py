@@ -11,26 +11,19 @@ Two implementations of one function:
             and the gate's gradient in the same pass; torch.compile's backward for the same
             function took two kernels that read h twice (docs/LOG.md has the H200 times). Rows may
             change from call to call (the bucketed path): nothing is recompiled.
-`FUSED_SWIGLU = "eager"` turns the kernels off (tools/bench_dispatch.py --swiglu eager; for a training
-run, the environment variable MINAGI_SWIGLU=eager). ROCm keeps the eager ops: the kernels have not been
-run on an AMD GPU.
+`swiglu(..., fused=False)` keeps the eager ops (the setting `pool.swiglu = "eager"`; train.py maps the
+environment variable MINAGI_SWIGLU onto it). ROCm keeps the eager ops: the kernels have not been run on
+an AMD GPU.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import ConfigError
-
-FUSED_SWIGLU = os.environ.get("MINAGI_SWIGLU", "auto")  # "auto" or "eager"
-if FUSED_SWIGLU not in ("auto", "eager"):
-    raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {FUSED_SWIGLU!r}",
-                      "MINAGI_SWIGLU")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _KERNELS_TESTED_HERE = TRITON_AVAILABLE and torch.version.hip is None  # run on NVIDIA GPUs only
 
@@ -41,9 +34,10 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
 
 
-def swiglu(h: Tensor, gate: Tensor) -> Tensor:
-    """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls, else eager ops."""
-    if not _use_kernels(h):
+def swiglu(h: Tensor, gate: Tensor, fused: bool = True) -> Tensor:
+    """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls (unless `fused` is
+    False), else eager ops."""
+    if not (fused and _use_kernels(h)):
         return swiglu_eager(h, gate)
     lead = h.shape[:-1]
     act = _SwiGLU.apply(h.reshape(-1, h.shape[-1]), gate.reshape(-1))  # [rows, F]
@@ -51,7 +45,7 @@ def swiglu(h: Tensor, gate: Tensor) -> Tensor:
 
 
 def _use_kernels(h: Tensor) -> bool:
-    if not (h.is_cuda and h.requires_grad and FUSED_SWIGLU == "auto" and _KERNELS_TESTED_HERE):
+    if not (h.is_cuda and h.requires_grad and _KERNELS_TESTED_HERE):
         return False
     if torch.compiler.is_compiling():  # inside a compiled model, inductor fuses the eager ops
         return False

@@ -1,5 +1,14 @@
 """The training loop: AdamW + warmup/cosine, held-out evaluation, history records, checkpoints, resume.
 
+The pieces, each on its own:
+  the run folder            minagi/runlog.py `RunFolder`: run.json, history, last/best, the lock
+  the training state        `TrainState`: step, best held-out, loss meters, routing counters (checkpointed
+                            beside the model, optimizer, scheduler and RNG: `checkpoint_payload`)
+  the model and optimizer   `build_training`: model, DDP / compile / row checkpointing applied from outside
+  one training step         `train_step`
+  one evaluation            `evaluate`
+  the loop                  `Trainer.run`, which `train` builds and runs
+
 Each step trains on `get_batch(train_ids, batch_size, context, seed, step)`: the batch is a pure
 function of the step number, so a resumed run continues at exactly the data position it left, and
 on the CPU reproduces the uninterrupted run's losses. Every `eval_every` steps and at the end: the
@@ -23,21 +32,23 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from . import devices, distributed
-from .checkpoint import capture_rng_state, copy_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
-from .config import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict
+from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
+from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
+    upgrade_config_dict
 from .data import Vocab, get_batch, heldout_batches, load_corpus
-from .model import build_model
-from .runlog import HISTORY_FIELDS, History, read_run_info, write_run_info
+from .diagnostics import RoutingMeter, StepCounts, step_counts
+from .model import CharLM, build_model
+from .recompute import apply_row_checkpointing
+from .runlog import HISTORY_FIELDS, RunFolder, read_run_info
 
-__all__ = ["NonFiniteLossError", "TrainResult", "check_world_size", "lr_factor", "resume_config", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "TrainState", "Training", "build_training", "check_world_size",
+           "evaluate", "lr_factor", "resume_config", "train", "train_step"]
 
 LN2 = math.log(2.0)
-# The only setting a resumed run may change: extending it. Anything else would make the checkpoint
-# and the run folder describe a run that never happened.
-RESUMABLE_KEYS = ("train.steps",)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -68,8 +79,10 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# ------------------------------------------------------------------------------------ resuming
+
 def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, str]:
-    """(config, profile name) of the run in `run_dir`, with `--set train.steps=N` applied.
+    """(config, profile name) of the run in `run_dir`, with `--set` of RESUMABLE_KEYS applied.
 
     Reads run.json (cheap); `train` checks it against last.pt, which is the truth.
     """
@@ -77,12 +90,12 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
     if not (run_dir / "run.json").is_file():
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
-    cfg = config_from_dict(info["config"], source=str(run_dir / "run.json"))
+    cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key not in RESUMABLE_KEYS:
             raise ConfigError(f"--set {key}: cannot be changed when resuming (only "
-                              f"{', '.join(RESUMABLE_KEYS)} may, to extend the run)", key)
+                              f"{', '.join(RESUMABLE_KEYS)} may)", key)
     return apply_overrides(cfg, overrides), info["profile"]
 
 
@@ -94,22 +107,6 @@ def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
                 raise ConfigError(f"{section}.{key} = {new[section][key]!r} differs from the resumed "
                                   f"run's {value!r} ({source}); only {', '.join(RESUMABLE_KEYS)} may "
                                   "change on resume", f"{section}.{key}")
-
-
-def check_world_size(cfg: Config, world_size: int) -> None:
-    """train.batch_size is the global batch: it must split evenly over the ranks."""
-    if cfg.train.batch_size % world_size:
-        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
-                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
-                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
-
-
-def _mean_over_ranks(total: float, count: int, device: torch.device, world_size: int) -> float:
-    """Mean of per-rank sums over per-rank counts (identity on one rank)."""
-    if world_size > 1:
-        t = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
-        total, count = distributed.mean_over_ranks(t, world_size).tolist()  # the ratio of sums
-    return total / count
 
 
 def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
@@ -125,238 +122,392 @@ def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
     return ckpt
 
 
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """train.batch_size is the global batch: it must split evenly over the ranks."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
+                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
+                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+
+
 def _new_run_name(cfg: Config, profile_name: str) -> str:
     """train.run_name or <profile>-<timestamp>, refusing a folder that already holds a run."""
     tc = cfg.train
     run_name = tc.run_name or f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(tc.out_dir) / run_name
-    history_path = run_dir / "history.jsonl"
-    if (run_dir / "last.pt").exists() or (history_path.exists() and history_path.stat().st_size):
-        raise ConfigError(f"train.run_name: {run_dir} already holds a run; resume it with "
-                          f"--resume {run_dir} or choose another --run-name", "train.run_name")
+    folder = RunFolder(Path(tc.out_dir) / run_name)
+    if folder.holds_run():
+        raise ConfigError(f"train.run_name: {folder.path} already holds a run; resume it with "
+                          f"--resume {folder.path} or choose another --run-name", "train.run_name")
     return run_name
 
 
-@torch.no_grad()
-def _evaluate(model, batches, device: torch.device, world_size: int) -> float:
-    """Mean held-out cross-entropy in nats (the aux loss is a training term, not part of it)."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    with devices.autocast(device):
-        for x, y in batches:
-            total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss.item()
-    model.train(was_training)
-    return _mean_over_ranks(total, len(batches), device, world_size)
+# ------------------------------------------------------------------------------------ the training state
 
+@dataclass
+class TrainState:
+    """What a checkpoint carries besides the model, optimizer, scheduler and RNG.
 
-def _fmt_bytes(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f}GiB"
-
-
-def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
-          rank: int = 0, world_size: int = 1, progress: bool = True, argv: list[str] | None = None,
-          log: Callable[[str], None] | None = None) -> TrainResult:
-    """Train (or resume) one run; returns its per-step losses and held-out figures.
-
-    resume: a run folder; its last.pt sets model, optimizer, scheduler, RNG and step, and `cfg` must
-    equal the run's config except `train.steps` (see `resume_config`). Raises NonFiniteLossError on a
-    NaN/inf loss, before anything is saved for that step. Ctrl-C saves last.pt and returns with
-    `interrupted=True`.
+    The meters cover the steps since the last record (they may straddle a resume), the routing
+    counters included, so every field of a record covers the same steps.
     """
-    is_main = rank == 0
-    tc, mc = cfg.train, cfg.model
-    say = (log or (lambda msg: tqdm.write(msg, file=sys.stdout))) if is_main else (lambda msg: None)
-    check_world_size(cfg, world_size)
-    device = devices.choose_device(tc.device)
-    if world_size > 1 and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, made current at init
+    step: int = 0
+    best: float = math.inf
+    eval_due: bool = False  # the evaluation of `step` is still to run (Ctrl-C stopped it: the resume runs it first)
+    loss_sum: float = 0.0
+    aux_sum: float = 0.0
+    norm_sum: float = 0.0
+    since: int = 0          # steps since the last record
+    wall_s: float = 0.0     # training seconds since the run began, summed over resumes
+    routing: RoutingMeter = field(default_factory=RoutingMeter)
 
-    # --- the run folder and, on resume, the checkpoint: decided on rank 0, shared with the others
-    ckpt = None
-    if resume is not None:
-        run_dir = Path(resume)
-        # Every rank loads last.pt (rank 0 first: a bad file is one error, raised on all ranks).
-        ckpt = distributed.main_first(lambda: _open_checkpoint(run_dir, cfg), rank, world_size)
-        vocab = Vocab.from_chars(ckpt["vocab"])
-        run_name = ckpt["run_name"]
-    else:
-        # Timestamps may differ between ranks: rank 0 names the run for all.
-        run_name = distributed.from_main(lambda: _new_run_name(cfg, profile_name), rank, world_size)
-        run_dir = Path(tc.out_dir) / run_name
-        vocab = None
+    def add_step(self, ce: float, aux: float, gnorm: float, seconds: float, counts: StepCounts | None) -> None:
+        self.loss_sum, self.aux_sum, self.norm_sum = self.loss_sum + ce, self.aux_sum + aux, self.norm_sum + gnorm
+        self.since += 1
+        self.wall_s += seconds
+        self.routing.add(counts)
 
-    # Rank 0 encodes and caches the corpus; the others then read its cache entry.
-    corpus = distributed.main_first(
-        lambda: load_corpus(cfg.data.path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab),
-        rank, world_size)
-    vocab = corpus.vocab
-    eval_batches = heldout_batches(corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
-                                   tc.seed, rank, world_size)
+    def take_means(self) -> dict:
+        """The interval's mean train loss, aux loss and gradient norm; the meters start again."""
+        means = {"train_loss": self.loss_sum / self.since, "aux_loss": self.aux_sum / self.since,
+                 "grad_norm": self.norm_sum / self.since}
+        self.loss_sum = self.aux_sum = self.norm_sum = 0.0
+        self.since = 0
+        return means
 
-    # --- model, optimizer, schedule
+    def meter(self) -> dict:
+        return {"loss_sum": self.loss_sum, "aux_sum": self.aux_sum, "norm_sum": self.norm_sum,
+                "since": self.since, "wall_s": self.wall_s, "eval_due": self.eval_due,
+                "routing": self.routing.state_dict()}
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: dict, device: torch.device) -> "TrainState":
+        m = ckpt["meter"]
+        state = cls(step=ckpt["step"], best=ckpt["best_heldout_loss"], eval_due=m.get("eval_due", False),
+                    loss_sum=m["loss_sum"], aux_sum=m["aux_sum"], norm_sum=m["norm_sum"], since=m["since"],
+                    wall_s=m["wall_s"])
+        state.routing.load_state_dict(m.get("routing", {}), device)  # format 1 kept no routing counters
+        return state
+
+
+# ------------------------------------------------------------------------------------ model and optimizer
+
+@dataclass
+class Training:
+    """The model and what trains it. `forward` is the training forward (DDP / compile); everything
+    else (optimizer, saving, evaluation, the bias step) uses the plain `model`, so state dicts carry
+    no `module.` or `_orig_mod.` prefixes."""
+    model: CharLM
+    forward: Callable
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: Callable[[int], float]
+    params: list[Tensor]
+    # Set by train_step when the update starts; the caller clears it once its own step counter agrees
+    # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
+    updating: bool = False
+
+
+def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int) -> Training:
+    tc = cfg.train
     torch.manual_seed(tc.seed)
-    model = build_model(mc, vocab.size, device)
+    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    step, best, wall_s = 0, math.inf, 0.0
-    loss_sum = aux_sum = norm_sum = 0.0
-    since = 0  # steps since the last record (they may straddle a resume)
-    eval_due = False  # the evaluation of `step` is still to run (Ctrl-C stopped it: the resume runs it first)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        # The lambda is code, not state: recompute the next lr from it, so an extended run (a new
-        # train.steps) follows its new cosine from here on. The same value otherwise, to the bit.
-        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base_lr * schedule(scheduler.last_epoch)
-        restore_rng_state(ckpt["rng"])
-        step, best = ckpt["step"], ckpt["best_heldout_loss"]
-        meter = ckpt["meter"]
-        loss_sum, aux_sum, norm_sum = meter["loss_sum"], meter["aux_sum"], meter["norm_sum"]
-        since, wall_s = meter["since"], meter["wall_s"]
-        eval_due = meter.get("eval_due", False)
-        del ckpt  # the model and optimizer hold copies; free the CPU one
-    start_step = step
-    # The training forward goes through DDP (and compile); the optimizer, saving, evaluation,
-    # diagnostics and the bias step use the plain module, so state dicts carry no `module.` or
-    # `_orig_mod.` prefixes.
+    if tc.checkpoint_rows:
+        apply_row_checkpointing(model)
     forward = model
     if world_size > 1:
         distributed.install_count_reducers(model)
         forward = distributed.wrap_ddp(model, device)
     forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    chars_per_step = tc.batch_size * mc.context
+    return Training(model, forward, optimizer, scheduler, schedule, params)
 
-    def payload() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": capture_rng_state(),
-                "config": config_to_dict(cfg), "vocab": vocab.chars, "step": step,
-                "best_heldout_loss": best, "run_name": run_name,
-                "meter": {"loss_sum": loss_sum, "aux_sum": aux_sum, "norm_sum": norm_sum,
-                          "since": since, "wall_s": wall_s, "eval_due": eval_due}}
 
-    def write_evaluation(record: dict, improved: bool) -> None:
-        save_checkpoint(run_dir / "last.pt", payload())
-        if improved:
-            copy_checkpoint(run_dir / "last.pt", run_dir / "best.pt")
-        # After the checkpoints: a crash in between loses a line, never duplicates one.
-        history.append({k: record[k] for k in HISTORY_FIELDS})
+def restore_training(training: Training, ckpt: dict) -> None:
+    """Model, optimizer, scheduler and RNG from a checkpoint; the next lr from the schedule."""
+    training.model.load_state_dict(ckpt["model"])
+    training.optimizer.load_state_dict(ckpt["optimizer"])
+    training.scheduler.load_state_dict(ckpt["scheduler"])
+    # The lambda is code, not state: recompute the next lr from it, so an extended run (a new
+    # train.steps) follows its new cosine from here on. The same value otherwise, to the bit.
+    for group, base_lr in zip(training.optimizer.param_groups, training.scheduler.base_lrs):
+        group["lr"] = base_lr * training.schedule(training.scheduler.last_epoch)
+    restore_rng_state(ckpt["rng"])
 
-    history = None
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_run_info(run_dir, config=config_to_dict(cfg), profile=profile_name,
-                       device=devices.device_name(device), argv=argv if argv is not None else sys.argv,
-                       world_size=world_size, resumed_at_step=step if resume is not None else None)
-        history = History(run_dir / "history.jsonl")
-    say(f"run folder: {run_dir}" + (f" (resumed at step {step})" if resume is not None else ""))
 
-    result = TrainResult(run_dir=run_dir, start_step=start_step, step=step, best_heldout_loss=best)
-    bar = tqdm(total=tc.steps, initial=step, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
-               disable=True if not (progress and is_main) else None, unit="step")
-    devices.memory_stats(device)  # reset the peaks: the first record covers this call's steps only
-    interval_chars, interval_s = 0, 0.0
-    updating = False  # True while parameters and optimizer state may disagree with `step`
-    owed = None  # (record, improved) of an evaluation whose files are not all written yet
-    lr = scheduler.base_lrs[0] * schedule(step - 1) if eval_due else None  # the last step's, for its record
-    model.train()
-    try:
-        while step < tc.steps or eval_due:
-            if eval_due:
-                # Collectives follow (diagnostics, held-out): every rank runs this block.
-                diagnostics = model.sink_diagnostics(reset=True)  # training steps' routing, all ranks
-                heldout = _evaluate(model, eval_batches, device, world_size)
-                model.sink_diagnostics(reset=True)                # drop the evaluation's routing
-                if not math.isfinite(heldout):
-                    raise NonFiniteLossError(f"step {step}: held-out loss is not finite ({heldout}); "
-                                             f"stopped without saving; {run_dir / 'last.pt'} keeps the "
-                                             "last good checkpoint", step)
-                record = {
-                    "step": step, "chars_seen": step * chars_per_step,
-                    "train_loss": loss_sum / since, "aux_loss": aux_sum / since,
-                    "grad_norm": norm_sum / since,
-                    "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": lr,
-                    "chars_per_s": interval_chars / interval_s if interval_s > 0 else None,
-                    "wall_s": wall_s,
-                    **devices.memory_stats(device),
-                    "sinks": diagnostics,
-                    "dropped_fraction": sum(d["dropped_fraction"] for d in diagnostics) / max(1, len(diagnostics)),
-                }
-                improved = heldout < best
-                best = min(best, heldout)
-                loss_sum = aux_sum = norm_sum = 0.0
-                since, interval_chars, interval_s = 0, 0, 0.0
-                owed, eval_due = (record, improved), False  # from here on, Ctrl-C finishes the writes
-                result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, best
-                if is_main:
-                    write_evaluation(record, improved)
-                    owed = None
-                say(f"step {step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
-                    f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
-                continue
-            t0 = time.perf_counter()
-            x, y = get_batch(corpus.train_ids, tc.batch_size, mc.context, tc.seed, step, rank, world_size)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [b, T]
-            with devices.autocast(device):
-                out = forward(x, y)
-            (out.loss + out.aux_loss).backward()
-            if tc.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            # The one host sync per step: the bar needs the loss, and a NaN must stop the update.
-            # Mean over ranks: the loss of the global batch, and every rank stops on the same step
-            # (the gradient norm is already the same everywhere: DDP averaged the gradients).
-            stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(),
-                                 norm.detach().float()])
-            ce, aux, gnorm = distributed.mean_over_ranks(stats.double(), world_size).tolist()
-            if not (math.isfinite(ce) and math.isfinite(aux) and math.isfinite(gnorm)):
-                what = "loss" if not math.isfinite(ce + aux) else "gradient norm"
-                raise NonFiniteLossError(
-                    f"step {step + 1}: {what} is not finite (loss {ce}, aux {aux}, grad norm {gnorm}); "
-                    f"stopped before updating; {run_dir / 'last.pt'} keeps the last good checkpoint",
-                    step + 1)
-            lr = optimizer.param_groups[0]["lr"]
-            updating = True
-            optimizer.step()
-            scheduler.step()
-            model.step_router_bias()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            eval_due = step % tc.eval_every == 0 or step == tc.steps
-            dt = time.perf_counter() - t0
-            wall_s += dt
-            interval_s += dt
-            interval_chars += chars_per_step
-            loss_sum, aux_sum, norm_sum, since = loss_sum + ce, aux_sum + aux, norm_sum + gnorm, since + 1
-            updating = False  # only now do step, meters and parameters agree
-            result.losses.append(ce)
-            result.step = step
-            if not bar.disable:
-                mem = (f"mem {_fmt_bytes(torch.cuda.memory_allocated(device))}" if device.type == "cuda"
-                       else f"rss {_fmt_bytes(devices.rss_bytes())}")
-                bar.set_postfix_str(f"loss {ce:.4f} | {interval_chars / interval_s:,.0f} char/s | {mem}",
-                                    refresh=False)
-                bar.update(1)
-    except KeyboardInterrupt:
-        result.interrupted = True
-        if updating:
+def checkpoint_payload(training: Training, state: TrainState, cfg: Config, vocab: Vocab, run_name: str) -> dict:
+    return {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict(),
+            "scheduler": training.scheduler.state_dict(), "rng": capture_rng_state(),
+            "config": config_to_dict(cfg), "vocab": vocab.chars, "step": state.step,
+            "best_heldout_loss": state.best, "run_name": run_name, "meter": state.meter()}
+
+
+# ------------------------------------------------------------------------------------ one step, one evaluation
+
+@dataclass
+class StepStats:
+    ce: float                   # cross-entropy of the global batch, nats
+    aux: float
+    grad_norm: float
+    lr: float                   # the learning rate the update used
+    counts: StepCounts | None   # the step's routing, summed over ranks
+
+
+def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip: float, world_size: int,
+               device: torch.device) -> StepStats:
+    """Forward, backward, the NaN check, the update and the aux-free bias step of 0-based `step`.
+
+    Raises NonFiniteLossError before updating anything. The one host sync: the loss (the progress
+    bar needs it, and a NaN must stop the update), in the same all-reduce as the routing counts
+    under DDP.
+    """
+    with devices.autocast(device):
+        out = training.forward(x, y)
+    (out.loss + out.aux_loss).backward()
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(training.params, grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in training.params if p.grad is not None])
+    stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(), norm.detach().float()])
+    (ce, aux, gnorm), counts = _reduce_over_ranks(stats, step_counts(out.routing), world_size)
+    if not (math.isfinite(ce) and math.isfinite(aux) and math.isfinite(gnorm)):
+        what = "loss" if not math.isfinite(ce + aux) else "gradient norm"
+        raise NonFiniteLossError(f"step {step + 1}: {what} is not finite (loss {ce}, aux {aux}, grad norm "
+                                 f"{gnorm}); stopped before updating", step + 1)
+    lr = training.optimizer.param_groups[0]["lr"]
+    training.updating = True
+    training.optimizer.step()
+    training.scheduler.step()
+    if counts is not None:
+        training.model.step_router_bias(counts.load_LE)
+    training.optimizer.zero_grad(set_to_none=True)
+    return StepStats(ce, aux, gnorm, lr, counts)
+
+
+def _reduce_over_ranks(stats: Tensor, counts: StepCounts | None, world_size: int) -> tuple[list[float], StepCounts | None]:
+    """(mean loss, aux, grad norm over ranks, the routing counts summed over ranks): one all-reduce.
+
+    (The gradient norm is already the same everywhere: DDP averaged the gradients.)
+    """
+    if world_size == 1:
+        return stats.tolist(), counts
+    parts = [stats.double()]
+    if counts is not None:
+        host = torch.tensor(counts.chars + counts.padded, dtype=torch.float64)
+        host = host.pin_memory().to(stats.device, non_blocking=True) if stats.is_cuda else host
+        parts += [counts.load_LE.flatten().double(), counts.dropped_L.double(), host]
+    summed = distributed.all_reduce_sum(torch.cat(parts))
+    values = summed.tolist()
+    means = [v / world_size for v in values[:3]]
+    if counts is None:
+        return means, None
+    n_rows, n_experts = counts.load_LE.shape
+    load_LE, dropped_L = summed[3:3 + n_rows * n_experts], summed[3 + n_rows * n_experts:3 + n_rows * (n_experts + 1)]
+    host_values = [int(v) for v in values[3 + n_rows * (n_experts + 1):]]
+    return means, StepCounts(load_LE.view(n_rows, n_experts).long(), dropped_L.long(), host_values[:n_rows],
+                             host_values[n_rows:], counts.paths)
+
+
+@torch.no_grad()
+def evaluate(model: CharLM, batches, device: torch.device, world_size: int) -> float:
+    """Mean held-out cross-entropy in nats over `batches` (all ranks'); the aux loss is a training
+    term, not part of it, and the evaluation's routing counts nothing."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with devices.autocast(device):
+        for x, y in batches:
+            total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss.double()
+    model.train(was_training)
+    t = torch.stack([total, total.new_tensor(float(len(batches)))])
+    summed, count = distributed.mean_over_ranks(t, world_size).tolist()
+    return summed / count
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
+          rank: int = 0, world_size: int = 1, device: torch.device | None = None, progress: bool = True,
+          argv: list[str] | None = None, log: Callable[[str], None] | None = None) -> TrainResult:
+    """Train (or resume) one run; returns its per-step losses and held-out figures.
+
+    resume: a run folder; its last.pt sets model, optimizer, scheduler, RNG and step, and `cfg` must
+    equal the run's config but for RESUMABLE_KEYS (see `resume_config`). device: where to train
+    (train.py chooses it once, with the rank's GPU under DDP); None = from `train.device`.
+    Raises NonFiniteLossError on a NaN/inf loss, before anything is saved for that step. Ctrl-C saves
+    last.pt and returns with `interrupted=True`.
+    """
+    trainer = Trainer(cfg, profile_name, resume, rank=rank, world_size=world_size,
+                      device=device if device is not None else devices.choose_device(cfg.train.device),
+                      progress=progress, argv=argv, log=log)
+    return trainer.run()
+
+
+class Trainer:
+    """One call of `train`: the run folder, the corpus, the training objects and state, the loop."""
+
+    def __init__(self, cfg: Config, profile_name: str, resume: str | Path | None, *, rank: int, world_size: int,
+                 device: torch.device, progress: bool, argv: list[str] | None, log: Callable[[str], None] | None):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.is_main = rank == 0
+        self.say = (log or (lambda msg: tqdm.write(msg, file=sys.stdout))) if self.is_main else (lambda msg: None)
+        ckpt = self._open_run(profile_name, resume)
+        # Rank 0 encodes and caches the corpus; the others then read its cache entry.
+        data = cfg.data
+        self.corpus = distributed.main_first(
+            lambda: load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=self.vocab), rank, world_size)
+        self.vocab = self.corpus.vocab
+        tc, mc = cfg.train, cfg.model
+        self.eval_batches = heldout_batches(self.corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
+                                            tc.seed, rank, world_size)
+        self.training = build_training(cfg, self.vocab.size, device, world_size)
+        self.state = TrainState()
+        if ckpt is not None:
+            restore_training(self.training, ckpt)
+            self.state = TrainState.from_checkpoint(ckpt, device)
+        self._start_run_folder(profile_name, argv, resumed=ckpt is not None, record=(ckpt or {}).get("record"))
+        self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
+                                  best_heldout_loss=self.state.best)
+        self.progress = progress
+
+    def _open_run(self, profile_name: str, resume: str | Path | None) -> dict | None:
+        """The run folder and, on resume, its checkpoint: decided on rank 0, shared with the others."""
+        self.vocab = None
+        if resume is None:
+            # Timestamps may differ between ranks: rank 0 names the run for all.
+            self.run_name = distributed.from_main(lambda: _new_run_name(self.cfg, profile_name), self.rank,
+                                                  self.world_size)
+            self.folder = RunFolder(Path(self.cfg.train.out_dir) / self.run_name)
+            return None
+        self.folder = RunFolder(resume)
+        # Every rank loads last.pt (rank 0 first: a bad file is one error, raised on all ranks).
+        ckpt = distributed.main_first(lambda: _open_checkpoint(self.folder.path, self.cfg), self.rank, self.world_size)
+        self.folder.last_step = ckpt["step"]
+        self.vocab, self.run_name = Vocab.from_chars(ckpt["vocab"]), ckpt["run_name"]
+        return ckpt
+
+    def _start_run_folder(self, profile_name: str, argv: list[str] | None, resumed: bool, record: dict | None) -> None:
+        if not self.is_main:
+            return
+        self.folder.claim()
+        self.folder.start(config=config_to_dict(self.cfg), profile=profile_name,
+                          device=devices.device_name(self.device), argv=argv if argv is not None else sys.argv,
+                          world_size=self.world_size, resumed_at_step=self.state.step if resumed else None)
+        self.folder.reconcile(record)
+        self.say(f"run folder: {self.folder.path}" + (f" (resumed at step {self.state.step})" if resumed else ""))
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> TrainResult:
+        tc = self.cfg.train
+        state, result = self.state, self.result
+        bar = tqdm(total=tc.steps, initial=state.step, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+                   disable=True if not (self.progress and self.is_main) else None, unit="step")
+        devices.memory_stats(self.device)  # reset the peaks: the first record covers this call's steps only
+        self.interval_chars, self.interval_s = 0, 0.0
+        self.owed = None       # (payload, record, improved) of an evaluation whose files are not all written
+        self.lr = self._last_lr() if state.eval_due else None
+        self.training.model.train()
+        try:
+            while state.step < tc.steps or state.eval_due:
+                if state.eval_due:
+                    self._evaluate_and_record()
+                else:
+                    self._step(bar)
+        except KeyboardInterrupt:
+            self._on_interrupt()
+        finally:
+            bar.close()
+            if self.is_main:
+                self.folder.close()
+        return result
+
+    def _last_lr(self) -> float:
+        return self.training.scheduler.base_lrs[0] * self.training.schedule(self.state.step - 1)
+
+    def _step(self, bar) -> None:
+        tc, mc, state = self.cfg.train, self.cfg.model, self.state
+        t0 = time.perf_counter()
+        x, y = get_batch(self.corpus.train_ids, tc.batch_size, mc.context, tc.seed, state.step, self.rank,
+                         self.world_size)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # [b, T]
+        try:
+            stats = train_step(self.training, x, y, step=state.step, grad_clip=tc.grad_clip,
+                               world_size=self.world_size, device=self.device)
+        except NonFiniteLossError as err:
+            raise NonFiniteLossError(f"{err}; {self.folder.kept()}", err.step) from None
+        dt = time.perf_counter() - t0
+        state.step += 1
+        state.eval_due = state.step % tc.eval_every == 0 or state.step == tc.steps
+        state.add_step(stats.ce, stats.aux, stats.grad_norm, dt, stats.counts)
+        self.training.updating = False  # only now do step, meters and parameters agree
+        self.lr = stats.lr
+        self.interval_s += dt
+        self.interval_chars += tc.batch_size * mc.context
+        self.result.losses.append(stats.ce)
+        self.result.step = state.step
+        if not bar.disable:
+            mem = (f"mem {_fmt_bytes(torch.cuda.memory_allocated(self.device))}" if self.device.type == "cuda"
+                   else f"rss {_fmt_bytes(devices.rss_bytes())}")
+            bar.set_postfix_str(f"loss {stats.ce:.4f} | {self.interval_chars / self.interval_s:,.0f} char/s | {mem}",
+                                refresh=False)
+            bar.update(1)
+
+    def _evaluate_and_record(self) -> None:
+        # Collectives follow (held-out loss): every rank runs this.
+        state, tc = self.state, self.cfg.train
+        heldout = evaluate(self.training.model, self.eval_batches, self.device, self.world_size)
+        if not math.isfinite(heldout):
+            raise NonFiniteLossError(f"step {state.step}: held-out loss is not finite ({heldout}); stopped "
+                                     f"without saving; {self.folder.kept()}", state.step)
+        record = self._record(heldout)
+        improved = heldout < state.best
+        state.best = min(state.best, heldout)
+        state.eval_due = False
+        self.interval_chars, self.interval_s = 0, 0.0
+        result = self.result
+        result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, state.best
+        if self.is_main:
+            self.owed = (checkpoint_payload(self.training, state, self.cfg, self.vocab, self.run_name), record, improved)
+            self.folder.write_evaluation(*self.owed)  # from here on, Ctrl-C finishes these writes
+            self.owed = None
+        self.say(f"step {state.step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
+                 f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
+
+    def _record(self, heldout: float) -> dict:
+        state = self.state
+        chars_per_step = self.cfg.train.batch_size * self.cfg.model.context
+        sinks = state.routing.read(self.cfg.pool.sink_ratio, reset=True)
+        record = {
+            "step": state.step, "chars_seen": state.step * chars_per_step, **state.take_means(),
+            "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": self.lr,
+            "chars_per_s": self.interval_chars / self.interval_s if self.interval_s > 0 else None,
+            "wall_s": state.wall_s,
+            **devices.memory_stats(self.device),
+            "sinks": sinks,
+            "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
+        }
+        return {k: record[k] for k in HISTORY_FIELDS}
+
+    def _on_interrupt(self) -> None:
+        self.result.interrupted = True
+        state = self.state
+        if self.training.updating:
             # Some parameters may have moved and others not: nothing consistent to save.
-            say(f"interrupted during the update of step {step + 1}; {run_dir / 'last.pt'} is unchanged")
-        elif is_main:
-            if owed is not None:  # stopped while writing an evaluation's files: finish them
-                write_evaluation(*owed)
-            else:
-                save_checkpoint(run_dir / "last.pt", payload())
-            say(f"interrupted: saved {run_dir / 'last.pt'} at step {step}; "
-                f"continue with --resume {run_dir}")
-    finally:
-        bar.close()
-        if history is not None:
-            history.close()
-    return result
+            self.say(f"interrupted during the update of step {state.step + 1}; {self.folder.last} is unchanged")
+            return
+        if not self.is_main:
+            return
+        if self.owed is not None:  # stopped while writing an evaluation's files: finish them
+            self.folder.write_evaluation(*self.owed)
+        else:
+            self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.vocab, self.run_name))
+        self.say(f"interrupted: saved {self.folder.last} at step {state.step}; "
+                 f"continue with --resume {self.folder.path}")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f}GiB"

@@ -201,3 +201,14 @@ def test_copy_checkpoint_falls_back_to_a_copy_without_hard_links(tmp_path, monke
     copy_checkpoint(last, best)
     assert load_checkpoint(best)["step"] == 5
     assert os.stat(best).st_ino != os.stat(last).st_ino
+
+
+def test_copy_checkpoint_onto_its_existing_hard_link_leaves_no_temp_file(tmp_path):
+    # rename(2) of one hard link over another of the same file "does nothing, and returns success":
+    # the temp link would be left beside best.pt.
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    save_checkpoint(last, {"step": 1})
+    copy_checkpoint(last, best)
+    copy_checkpoint(last, best)
+    assert load_checkpoint(best)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]

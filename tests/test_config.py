@@ -1,17 +1,39 @@
 """minagi.config: strict loading, precedence, round trips, and the shipped profiles."""
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from minagi.config import (
-    PROFILES_DIR, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, TrainConfig,
-    apply_overrides, available_profiles, config_from_dict, config_to_dict, config_to_toml,
-    load_config, profile_description, resolve_profile)
+    PROFILES_DIR, RESUMABLE_KEYS, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, PoolConfig,
+    TrainConfig, apply_overrides, available_profiles, config_from_dict, config_to_dict, load_config,
+    resolve_profile, upgrade_config_dict)
 
 SHIPPED = sorted(PROFILES_DIR.glob("*.toml"))
+SECTION_NAMES = "data, memory, model, pool, train"
+
+
+def profile_description(name: str) -> str:
+    return tomllib.loads(resolve_profile(name).read_text(encoding="utf-8")).get("description", "")
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)
+
+
+def config_to_toml(cfg: Config, description: str = "") -> str:
+    """The whole resolved config as a TOML profile."""
+    lines = [f"description = {toml_value(description)}"] if description else []
+    for section, table in config_to_dict(cfg).items():
+        lines += ["", f"[{section}]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 @pytest.fixture(autouse=True)
@@ -43,8 +65,8 @@ def test_defaults_match_the_contract_and_are_valid():
     assert cfg == Config()
     model = cfg.model
     assert (model.n_rows, model.d_model, model.n_heads, model.context) == (2, 64, 4, 64)
-    assert (cfg.model.n_experts, cfg.model.top_k, cfg.model.d_expert) == (8, 2, 64)
-    assert cfg.model.capacity_factor == 0.0 and cfg.model.dispatch == "auto"
+    assert (cfg.pool.n_experts, cfg.pool.top_k, cfg.pool.d_expert) == (8, 2, 64)
+    assert cfg.pool.capacity_factor == 0.0 and cfg.pool.dispatch == "auto"
     train = cfg.train
     assert (train.steps, train.batch_size, train.lr, train.warmup_steps) == (300, 16, 3e-3, 30)
     assert cfg.train.device == "auto" and cfg.train.out_dir == "runs" and cfg.train.run_name == ""
@@ -53,7 +75,7 @@ def test_defaults_match_the_contract_and_are_valid():
     assert cfg.model.head_dim == 16
 
 
-@pytest.mark.parametrize("cls", [ModelConfig, DataConfig, TrainConfig, MemoryConfig, Config])
+@pytest.mark.parametrize("cls", [ModelConfig, PoolConfig, DataConfig, TrainConfig, MemoryConfig, Config])
 def test_components_are_frozen_and_keyword_only(cls):
     obj = cls()
     field = dataclasses.fields(cls)[0].name
@@ -64,7 +86,7 @@ def test_components_are_frozen_and_keyword_only(cls):
 
 
 def test_direct_construction_validates_too():
-    assert "model.top_k" in error_of(lambda: ModelConfig(n_experts=2, top_k=3))
+    assert "pool.top_k" in error_of(lambda: PoolConfig(n_experts=2, top_k=3))
     assert "expected an integer, got a boolean" in error_of(lambda: TrainConfig(steps=True))
     assert "not one of" in error_of(lambda: TrainConfig(device="tpu"))
     assert "config.model" in error_of(lambda: Config(model={"n_rows": 2}))
@@ -76,7 +98,7 @@ def test_direct_construction_validates_too():
 def test_unknown_section_is_rejected_listing_the_valid_sections(tmp_path):
     path = write(tmp_path, "[modle]\nn_rows = 2\n")
     assert error_of(load_config, str(path)) == (
-        f"{path}: unknown section '[modle]' (valid: data, memory, model, train); "
+        f"{path}: unknown section '[modle]' (valid: {SECTION_NAMES}); "
         "did you mean 'model'?")
 
 
@@ -86,11 +108,19 @@ def test_top_level_key_outside_a_section_is_rejected_pointing_at_its_section(tmp
 
 
 def test_unknown_key_is_rejected_with_the_valid_keys_listed(tmp_path):
-    msg = error_of(load_config, str(write(tmp_path, "[model]\nn_expert = 4\n")))
-    assert "foo.toml: unknown key 'model.n_expert' (valid: " in msg
-    valid = [f.name for f in dataclasses.fields(ModelConfig)]
+    msg = error_of(load_config, str(write(tmp_path, "[pool]\nn_expert = 4\n")))
+    assert "foo.toml: unknown key 'pool.n_expert' (valid: " in msg
+    valid = [f.name for f in dataclasses.fields(PoolConfig)]
     assert all(name in msg for name in valid)
     assert "did you mean 'n_experts'" in msg
+
+
+def test_a_pool_key_under_model_points_at_its_section(tmp_path):
+    # Profiles written before [pool] existed set these under [model].
+    msg = error_of(load_config, str(write(tmp_path, "[model]\nn_experts = 4\n")))
+    assert "unknown key 'model.n_experts'" in msg and "it belongs under [pool]: pool.n_experts" in msg
+    msg = error_of(load_config, None, ["model.top_k=4"])
+    assert msg.startswith("--set model.top_k: unknown key") and "pool.top_k" in msg
 
 
 def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
@@ -99,9 +129,9 @@ def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
 
 
 @pytest.mark.parametrize("text, key, expected", [
-    ('[model]\ntop_k = "2"\n', "model.top_k", "expected an integer, got a string"),
-    ("[model]\ntop_k = true\n", "model.top_k", "expected an integer, got a boolean"),
-    ("[model]\ntop_k = 2.0\n", "model.top_k", "expected an integer, got a float"),
+    ('[pool]\ntop_k = "2"\n', "pool.top_k", "expected an integer, got a string"),
+    ("[pool]\ntop_k = true\n", "pool.top_k", "expected an integer, got a boolean"),
+    ("[pool]\ntop_k = 2.0\n", "pool.top_k", "expected an integer, got a float"),
     ("[train]\nlr = true\n", "train.lr", "expected a float, got a boolean"),
     ("[train]\ncompile = 1\n", "train.compile", "expected a boolean, got an integer"),
     ("[data]\npath = 3\n", "data.path", "expected a string, got an integer"),
@@ -115,36 +145,38 @@ def test_wrong_type_is_rejected_naming_file_and_key(tmp_path, text, key, expecte
 
 
 def test_int_for_a_float_field_is_accepted_and_stored_as_float(tmp_path):
-    cfg = load_config(str(write(tmp_path, "[train]\nlr = 1\n[model]\ncapacity_factor = 2\n")))
+    cfg = load_config(str(write(tmp_path, "[train]\nlr = 1\n[pool]\ncapacity_factor = 2\n")))
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
-    assert isinstance(cfg.model.capacity_factor, float)
+    assert isinstance(cfg.pool.capacity_factor, float)
 
 
 def test_value_outside_a_literal_is_rejected_listing_the_choices(tmp_path):
-    path = write(tmp_path, '[model]\ndispatch = "fast"\n')
+    path = write(tmp_path, '[pool]\ndispatch = "fast"\n')
     assert error_of(load_config, str(path)) == (
-        f'{path}: model.dispatch = "fast" is not one of: auto, grouped, native, rectangle, loop')
+        f'{path}: pool.dispatch = "fast" is not one of: auto, grouped, native, rectangle, loop')
 
 
 def test_top_k_above_n_experts_is_impossible(tmp_path):
-    path = write(tmp_path, "[model]\ntop_k = 9\n")
+    path = write(tmp_path, "[pool]\ntop_k = 9\n")
     assert error_of(load_config, str(path)) == (
-        f"{path}: model.top_k = 9 is impossible: top_k must be <= n_experts (8)")
+        f"{path}: pool.top_k = 9 is impossible: top_k must be <= n_experts (8)")
 
 
 def test_a_profile_under_the_working_directory_is_named_by_its_relative_path(tmp_path, monkeypatch):
     (tmp_path / "profiles").mkdir()
-    write(tmp_path / "profiles", "[model]\nn_expert = 4\n")
+    write(tmp_path / "profiles", "[pool]\nn_expert = 4\n")
     monkeypatch.chdir(tmp_path)
     msg = error_of(load_config, "profiles/foo.toml")
-    assert msg.startswith("profiles/foo.toml: unknown key 'model.n_expert' (valid: aux_free_bias, ")
+    assert msg.startswith("profiles/foo.toml: unknown key 'pool.n_expert' (valid: aux_free_bias, ")
 
 
 @pytest.mark.parametrize("section, key, value, why", [
     ("model", "n_rows", "0", "must be >= 1"),
     ("model", "d_model", "66", "multiple of n_heads"),
     ("model", "d_model", "68", "must be even"),         # 68 / 4 = 17
-    ("model", "capacity_factor", "-0.5", "must be >= 0"),
+    ("pool", "capacity_factor", "-0.5", "must be >= 0"),
+    ("pool", "sink_ratio", "0", "must be > 0"),
+    ("model", "d_dense", "-1", "must be >= 0"),
     ("model", "rope_base", "0", "must be > 0"),
     ("data", "heldout_fraction", "0", "strictly between 0 and 1"),
     ("data", "heldout_fraction", "1.0", "strictly between 0 and 1"),
@@ -170,8 +202,8 @@ def test_invalid_toml_names_the_file_and_line(tmp_path):
 
 
 def test_config_from_dict_is_strict_and_names_its_source():
-    msg = error_of(config_from_dict, {"model": {"n_expert": 4}}, "ckpt.pt")
-    assert msg.startswith("ckpt.pt: unknown key 'model.n_expert' (valid: ")
+    msg = error_of(config_from_dict, {"pool": {"n_expert": 4}}, "ckpt.pt")
+    assert msg.startswith("ckpt.pt: unknown key 'pool.n_expert' (valid: ")
     assert error_of(config_from_dict, {"train": {"steps": True}}).startswith("<dict>: train.steps")
 
 
@@ -185,18 +217,18 @@ def test_bad_set_syntax_is_rejected_with_an_example(item):
 
 
 def test_unknown_set_key_and_section_are_rejected_listing_valid_names():
-    msg = error_of(load_config, None, ["model.n_expert=4"])
-    assert msg.startswith("--set model.n_expert: unknown key 'model.n_expert' (valid: ")
+    msg = error_of(load_config, None, ["pool.n_expert=4"])
+    assert msg.startswith("--set pool.n_expert: unknown key 'pool.n_expert' (valid: ")
     assert "n_experts" in msg
     msg = error_of(load_config, None, ["modle.n_rows=4"])
-    assert "unknown section 'modle'" in msg and "(valid: data, memory, model, train)" in msg
+    assert "unknown section 'modle'" in msg and f"(valid: {SECTION_NAMES})" in msg
 
 
 @pytest.mark.parametrize("item, expected", [
-    ("model.top_k=abc", "cannot read 'abc' as an integer"),
-    ("model.top_k=true", "expected an integer, got a boolean"),
-    ("model.top_k=9", "top_k must be <= n_experts (8)"),
-    ("model.dispatch=fast", "not one of: auto"),
+    ("pool.top_k=abc", "cannot read 'abc' as an integer"),
+    ("pool.top_k=true", "expected an integer, got a boolean"),
+    ("pool.top_k=9", "top_k must be <= n_experts (8)"),
+    ("pool.dispatch=fast", "not one of: auto"),
     ("train.lr=1\nw = 2", "cannot read"),
 ])
 def test_bad_set_value_is_rejected_naming_the_set(item, expected):
@@ -208,11 +240,11 @@ def test_bad_set_value_is_rejected_naming_the_set(item, expected):
 def test_set_parses_toml_values_and_bare_strings_for_string_fields_only():
     cfg = load_config(None, ["train.steps=20000", "train.lr=3e-4", "train.compile=true",
                              "data.path=~/my corpus/*.txt", 'train.run_name="quoted"',
-                             "train.device=cpu", "train.out_dir=123", "model.capacity_factor=2"])
+                             "train.device=cpu", "train.out_dir=123", "pool.capacity_factor=2"])
     assert cfg.train.steps == 20000 and cfg.train.lr == 3e-4 and cfg.train.compile is True
     assert cfg.data.path == "~/my corpus/*.txt" and cfg.train.run_name == "quoted"
     assert cfg.train.device == "cpu" and cfg.train.out_dir == "123"
-    assert cfg.model.capacity_factor == 2.0
+    assert cfg.pool.capacity_factor == 2.0
 
 
 def test_set_beats_profile_beats_defaults(tmp_path):
@@ -224,9 +256,9 @@ def test_set_beats_profile_beats_defaults(tmp_path):
 
 
 def test_impossible_combination_is_blamed_on_the_set_that_made_it(tmp_path):
-    path = write(tmp_path, "[model]\nn_experts = 8\ntop_k = 4\n")
-    msg = error_of(load_config, str(path), ["model.n_experts=2", "train.steps=100"])
-    assert msg == ("--set model.n_experts: model.top_k = 4 is impossible: "
+    path = write(tmp_path, "[pool]\nn_experts = 8\ntop_k = 4\n")
+    msg = error_of(load_config, str(path), ["pool.n_experts=2", "train.steps=100"])
+    assert msg == ("--set pool.n_experts: pool.top_k = 4 is impossible: "
                    "top_k must be <= n_experts (2)")
 
 
@@ -251,16 +283,14 @@ def test_resolve_profile_takes_a_name_a_name_with_suffix_or_an_existing_path(tmp
     assert load_config(str(path)).train.steps == 5
 
 
-def test_description_is_allowed_and_kept_available(tmp_path):
+def test_description_is_allowed_beside_the_sections(tmp_path):
     path = write(tmp_path, 'description = "a test box"\n[train]\nsteps = 40\n')
     assert load_config(str(path)).train.steps == 40
-    assert profile_description(str(path)) == "a test box"
-    assert profile_description(str(write(tmp_path, "", name="bare.toml"))) == ""
 
 
 def test_config_round_trips_through_dict_and_toml():
-    cfg = load_config(None, ["model.n_experts=16", "model.top_k=4", "train.lr=2.5e-4",
-                             "data.path=a \"quoted\"\tpath\u00e9", "model.aux_free_bias=true",
+    cfg = load_config(None, ["pool.n_experts=16", "pool.top_k=4", "train.lr=2.5e-4",
+                             "data.path=a \"quoted\"\tpath\u00e9", "pool.aux_free_bias=true",
                              "memory.alloc_conf=expandable_segments:True"])
     d = config_to_dict(cfg)
     assert config_from_dict(d) == cfg
@@ -276,7 +306,7 @@ def test_profiles_are_shipped():
 
 
 # Keys a profile sets on purpose although they equal the default (each explained in the file).
-PINNED_AT_DEFAULT = {("strix_large", "model.capacity_factor")}
+PINNED_AT_DEFAULT = {("strix_large", "pool.capacity_factor")}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
@@ -296,6 +326,25 @@ def test_every_shipped_profile_loads_validates_and_sets_only_what_differs(path):
 
 
 def test_strix_large_is_dropless_and_h200_uses_expandable_segments():
-    assert load_config("strix_large").model.capacity_factor == 0.0
+    assert load_config("strix_large").pool.capacity_factor == 0.0
     assert load_config("strix_large").memory.alloc_conf == ""
     assert load_config("h200").memory.alloc_conf == "expandable_segments:True"
+
+
+def test_dense_width_is_the_pools_active_width_unless_set():
+    cfg = load_config(None, ["pool.top_k=4", "pool.d_expert=96"])
+    assert cfg.dense_width == 384 == cfg.pool.dense_width
+    assert load_config(None, ["pool.top_k=4", "model.d_dense=320"]).dense_width == 320
+
+
+def test_format_1_config_dicts_move_their_pool_keys_under_pool():
+    old = {"model": {"n_rows": 3, "n_experts": 16, "top_k": 4, "sink_ratio": 5.0}, "train": {"steps": 90}}
+    new = upgrade_config_dict(old)
+    assert new == {"model": {"n_rows": 3}, "pool": {"n_experts": 16, "top_k": 4, "sink_ratio": 5.0},
+                   "train": {"steps": 90}}
+    assert upgrade_config_dict(new) == new and old["model"]["n_experts"] == 16  # idempotent, not in place
+    assert config_from_dict(new).pool.top_k == 4
+
+
+def test_only_extension_and_reporting_keys_may_change_on_resume():
+    assert set(RESUMABLE_KEYS) == {"train.steps", "pool.sink_ratio", "pool.swiglu"}

@@ -2,15 +2,16 @@
 import pytest
 import torch
 
-from minagi.config import ModelConfig
+from minagi.config import ModelConfig, PoolConfig
 from minagi.model import CharLM, build_model
 
-CFG = ModelConfig(n_rows=2, d_model=32, n_heads=4, context=32, n_experts=4, top_k=2, d_expert=32)
+CFG = ModelConfig(n_rows=2, d_model=32, n_heads=4, context=32)
+POOL = PoolConfig(n_experts=4, top_k=2, d_expert=32)
 
 
 def test_kv_cached_incremental_logits_equal_full_forward_logits():
     torch.manual_seed(0)
-    model = build_model(CFG, vocab_size=11, device="cpu").eval()
+    model = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
     idx = torch.randint(0, 11, (2, 20))
     with torch.no_grad():
         full = model(idx).logits
@@ -23,7 +24,7 @@ def test_kv_cached_incremental_logits_equal_full_forward_logits():
 
 
 def test_cache_refuses_to_overflow():
-    model = build_model(CFG, vocab_size=5, device="cpu").eval()
+    model = build_model(CFG, POOL, vocab_size=5, device="cpu").eval()
     cache = model.new_cache(batch_size=1, max_len=4)
     with torch.no_grad(), pytest.raises(ValueError, match="KV cache is full"):
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
@@ -31,7 +32,7 @@ def test_cache_refuses_to_overflow():
 
 def test_causal_prefix_logits_do_not_see_the_future():
     torch.manual_seed(0)
-    model = build_model(CFG, vocab_size=7, device="cpu").eval()
+    model = build_model(CFG, POOL, vocab_size=7, device="cpu").eval()
     a = torch.randint(0, 7, (1, 16))
     b = a.clone()
     b[0, 10:] = (b[0, 10:] + 1) % 7
@@ -41,7 +42,7 @@ def test_causal_prefix_logits_do_not_see_the_future():
 
 def test_loss_is_cross_entropy_and_aux_sums_the_rows():
     torch.manual_seed(0)
-    model = build_model(CFG, vocab_size=9, device="cpu")
+    model = build_model(CFG, POOL, vocab_size=9, device="cpu")
     idx, tgt = torch.randint(0, 9, (3, 12)), torch.randint(0, 9, (3, 12))
     out = model(idx, tgt)
     torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits.view(-1, 9), tgt.view(-1)))
@@ -50,17 +51,16 @@ def test_loss_is_cross_entropy_and_aux_sums_the_rows():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_auto_dispatch_resolves_to_grouped_on_cpu_and_is_reported():
-    model = build_model(CFG, vocab_size=5, device="cpu")
-    assert {pool.dispatch for pool in model.pools()} == {"grouped"}
-    model(torch.zeros(1, 4, dtype=torch.long))
-    diags = model.sink_diagnostics()
-    assert [d["row"] for d in diags] == [0, 1]
-    assert diags[0]["path"] == "grouped" and diags[0]["routed"] == 4 * CFG.top_k
+def test_auto_dispatch_resolves_to_grouped_on_cpu_and_each_row_reports_its_routing():
+    model = build_model(CFG, POOL, vocab_size=5, device="cpu")
+    assert {pool.path for pool in model.pools()} == {"grouped"}
+    routing = model(torch.zeros(1, 4, dtype=torch.long)).routing
+    assert len(routing) == 2 and all(c.path == "grouped" and c.chars == 4 for c in routing)
+    assert [int(c.load_E.sum()) for c in routing] == [4 * POOL.top_k] * 2
 
 
 def test_param_groups_keep_norms_out_of_weight_decay():
-    model = CharLM(CFG, vocab_size=5)
+    model = CharLM(CFG, POOL, vocab_size=5)
     decay, no_decay = model.param_groups(0.1)
     norm_params = {id(p) for n, p in model.named_parameters() if "norm" in n}
     assert norm_params and norm_params <= {id(p) for p in no_decay["params"]}

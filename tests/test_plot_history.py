@@ -17,10 +17,10 @@ from minagi.runlog import read_history
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import plot_history  # noqa: E402
-from tiny import train_tiny
+from tiny import run_tiny
 
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "model.context=16",
-        "model.n_experts=4", "model.top_k=2", "model.d_expert=32",
+        "pool.n_experts=4", "pool.top_k=2", "pool.d_expert=32",
         "train.steps=6", "train.batch_size=4", "train.warmup_steps=2", "train.eval_every=2",
         "train.eval_batches=2", "train.device=cpu"]
 
@@ -30,7 +30,7 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "model.context=
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A finished tiny CPU run with 3 history records (steps 2, 4, 6) and 2 rows."""
-    return train_tiny(tmp_path_factory.mktemp("plot"), TINY).run_dir
+    return run_tiny(tmp_path_factory.mktemp("plot"), None, settings=TINY).run_dir
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -1,8 +1,11 @@
-"""PooledMLP routing: the balance term sees load, the aux-free bias fights sinks, diagnostics find sinks."""
+"""minagi.pool and minagi.router: routing as a value, the balance term sees load, the aux-free bias
+fights sinks, the pool keeps nothing from a call, and the counts it returns find sinks."""
 import pytest
 import torch
 
-from minagi.pool import PooledMLP
+from minagi.diagnostics import RoutingMeter, step_counts
+from minagi.router import balance_loss, routed_counts
+from tiny import new_pool
 
 D, F_, E, K = 16, 16, 8, 2
 
@@ -10,11 +13,26 @@ D, F_, E, K = 16, 16, 8, 2
 def sink_router_pool(**kw):
     """A pool whose router sends every (positive) input to expert 0 first."""
     torch.manual_seed(0)
-    pool = PooledMLP(D, F_, E, K, dispatch="grouped", **kw)
+    pool = new_pool(D, F_, E, K, "grouped", **kw)
     with torch.no_grad():
         pool.router.weight.normal_(0, 0.02)
         pool.router.weight[0] = 0.5
     return pool
+
+
+def aux_of(pool, x):
+    return pool.aux_loss(pool.router(x))
+
+
+def test_routing_is_a_value_with_ids_gates_probabilities_and_logits():
+    pool = sink_router_pool()
+    x = torch.randn(50, D)
+    r = pool.router(x)
+    torch.testing.assert_close(r.logits_NE, x @ pool.router.weight.T)
+    torch.testing.assert_close(r.probs_NE, r.logits_NE.softmax(-1))
+    assert torch.equal(r.expert_ids_NK, r.probs_NE.topk(K, -1).indices)
+    torch.testing.assert_close(r.gates_NK, r.probs_NE.gather(-1, r.expert_ids_NK) /
+                               r.probs_NE.gather(-1, r.expert_ids_NK).sum(-1, keepdim=True))
 
 
 def test_balance_term_is_larger_for_sink_routing_than_uniform():
@@ -23,65 +41,77 @@ def test_balance_term_is_larger_for_sink_routing_than_uniform():
     uniform = sink_router_pool()
     with torch.no_grad():
         uniform.router.weight.normal_(0, 0.02)
-    _, _, aux_sink = sink.route(x)
-    _, _, aux_uniform = uniform.route(x)
-    assert aux_uniform.item() == pytest.approx(0.01, rel=0.1)  # E * sum(1/E * 1/E) * coef at uniform
-    assert aux_sink.item() > 2 * aux_uniform.item()
+    assert aux_of(uniform, x).item() == pytest.approx(0.01, rel=0.1)  # E * sum(1/E * 1/E) * coef at uniform
+    assert aux_of(sink, x).item() > 2 * aux_of(uniform, x).item()
+
+
+def test_balance_loss_is_e_times_sum_of_load_fraction_times_mean_probability():
+    pool = sink_router_pool()
+    r = pool.router(torch.randn(64, D))
+    counts = routed_counts(r.expert_ids_NK, E)
+    assert counts.sum() == 64 * K
+    expected = E * ((counts / counts.sum()) * r.probs_NE.mean(0)).sum()
+    torch.testing.assert_close(balance_loss(r, counts), expected)
 
 
 def test_balance_term_uses_reduced_counts_when_a_reducer_is_set():
     x = torch.randn(64, D).abs()
     pool = sink_router_pool()
-    _, _, local = pool.route(x)
+    local = aux_of(pool, x)
     pool.count_reducer = lambda counts: torch.ones_like(counts)  # pretend the world is balanced
-    _, _, reduced = pool.route(x)
-    assert reduced.item() < local.item()
+    assert aux_of(pool, x).item() < local.item()
 
 
 def test_z_loss_adds_mean_squared_logsumexp():
     x = torch.randn(32, D)
     pool = sink_router_pool(balance_coef=0.0, z_loss_coef=1e-3)
-    _, _, aux = pool.route(x)
     logits = x @ pool.router.weight.T
-    assert aux.item() == pytest.approx(1e-3 * torch.logsumexp(logits, -1).square().mean().item(), rel=1e-5)
+    assert aux_of(pool, x).item() == pytest.approx(1e-3 * torch.logsumexp(logits, -1).square().mean().item(), rel=1e-5)
 
 
-def test_aux_free_bias_update_lowers_the_sinks_selection():
+def test_aux_free_bias_step_lowers_the_sinks_selection():
     x = torch.randn(512, D).abs()
     pool = sink_router_pool(aux_free_bias=True, bias_update_rate=0.2)
-    pool.train()
     picks = []
     for step in range(6):
-        ids, _, _ = pool.route(x)
-        if step == 1:
-            assert pool.selection_bias[0] < 0 and pool.selection_bias.argmin() == 0
+        _, aux = pool(x)
+        ids = pool.router(x).expert_ids_NK
         picks.append((ids == 0).any(-1).float().mean().item())
-        pool.experts_forward(x, ids, torch.full(ids.shape, 0.5))
-        pool.step_bias()
+        pool.router.step_bias(aux.counts.load_E, pool.cfg.bias_update_rate)
+        if step == 0:
+            assert pool.router.selection_bias[0] < 0 and pool.router.selection_bias.argmin() == 0
     assert picks[0] == 1.0 and min(picks[1:]) < 0.5, picks  # every character picked the sink, then most did not
-    assert picks[1] <= picks[0]
 
 
 def test_aux_free_bias_off_never_moves():
     pool = sink_router_pool()
-    pool.train()
-    x = torch.randn(64, D).abs()
-    pool(x)
-    pool.step_bias()
-    assert pool.selection_bias.abs().sum() == 0
+    _, aux = pool(torch.randn(64, D).abs())
+    pool.router.step_bias(aux.counts.load_E, 1.0)
+    assert pool.router.selection_bias.abs().sum() == 0
+
+
+def test_a_forward_changes_no_buffer_of_the_pool_in_training_or_eval_mode():
+    # The pool keeps nothing from a call: counts are returned, the bias moves only in step_bias.
+    pool = sink_router_pool(aux_free_bias=True)
+    before = {k: v.clone() for k, v in pool.state_dict().items()}
+    for training in (True, False):
+        pool.train(training)
+        y, aux = pool(torch.randn(40, D))
+        y.sum().backward()
+    assert all(torch.equal(before[k], v) for k, v in pool.state_dict().items())
+    assert not [name for name, _ in pool.named_buffers() if name != "router.selection_bias"]
 
 
 def test_gates_are_renormalised_over_the_chosen_experts():
-    pool = sink_router_pool()
-    ids, gates, _ = pool.route(torch.randn(50, D))
-    torch.testing.assert_close(gates.sum(-1), torch.ones(50))
-    assert ids.unique(dim=-1).shape == ids.shape  # no repeated expert per character
+    r = sink_router_pool().router(torch.randn(50, D))
+    torch.testing.assert_close(r.gates_NK.sum(-1), torch.ones(50))
+    assert r.expert_ids_NK.unique(dim=-1).shape == r.expert_ids_NK.shape  # no repeated expert per character
 
 
-def test_sink_diagnostics_find_an_injected_sink_and_its_ratio():
+def test_counts_find_an_injected_sink_and_its_ratio():
     torch.manual_seed(0)
     n_experts = 32  # the seed case: 94% of characters on one of many experts
-    pool = PooledMLP(D, F_, n_experts, K, dispatch="grouped")
+    pool = new_pool(D, F_, n_experts, K, "grouped")
     n_chars, sink = 1000, 3
     g = torch.Generator().manual_seed(1)
     scores = torch.rand(n_chars, n_experts, generator=g)
@@ -89,35 +119,58 @@ def test_sink_diagnostics_find_an_injected_sink_and_its_ratio():
     scores[:, 7] -= 10        # expert 7 is never picked
     scores[:, 9] -= 10        # nor expert 9
     ids = scores.topk(K, -1).indices
-    pool.experts_forward(torch.randn(n_chars, D), ids, torch.full((n_chars, K), 0.5))
-    diag = pool.read_diagnostics()
+    _, counts = pool.experts_forward(torch.randn(n_chars, D), ids, torch.full((n_chars, K), 0.5))
+    meter = RoutingMeter()
+    meter.add(step_counts([counts]))
+    (diag,) = meter.read(sink_ratio=4.0)
     load = torch.bincount(ids.flatten(), minlength=n_experts)
     fair = n_chars * K / n_experts
-    assert diag["top_expert"] == sink
+    assert diag["row"] == 0 and diag["top_expert"] == sink and diag["path"] == "grouped"
     assert diag["load"] == load.tolist()
     assert diag["max_over_fair"] == pytest.approx(load[sink].item() / fair)
     assert diag["top_share"] == pytest.approx((ids == sink).any(-1).float().mean().item())
     assert diag["top_share"] >= 0.94
-    assert diag["sinks"] == int((load > 4 * fair).sum())
-    assert diag["sinks"] >= 1
+    assert diag["sinks"] == int((load > 4 * fair).sum()) >= 1
     assert diag["dead"] == int((load == 0).sum()) >= 2
     assert diag["fair_share"] == fair
 
 
-def test_diagnostics_accumulate_until_read_and_reset_after():
+def test_meter_sums_steps_until_read_then_starts_again_and_round_trips_its_state():
     pool = sink_router_pool()
     x = torch.randn(20, D)
-    pool(x)
-    pool(x)
-    assert pool.read_diagnostics()["routed"] == 2 * 20 * K
-    assert pool.read_diagnostics()["routed"] == 0
+    meter = RoutingMeter()
+    for _ in range(2):
+        meter.add(step_counts([pool(x)[1].counts, None]))  # a dense row counts nothing
+    restored = RoutingMeter()
+    restored.load_state_dict(meter.state_dict(), "cpu")
+    (diag,) = meter.read(4.0)
+    assert diag["routed"] == 2 * 20 * K and diag["chars"] == 2 * 20
+    assert restored.read(4.0) == [diag]
+    assert meter.read(4.0) == [] == restored.read(4.0)  # a read starts the sums again
 
 
 def test_top1_router_learns_from_the_loss_not_only_from_the_aux_terms():
     torch.manual_seed(0)
-    pool = PooledMLP(D, F_, E, 1, dispatch="grouped", balance_coef=0.0)
+    pool = new_pool(D, F_, E, 1, "grouped", balance_coef=0.0)
     x = torch.randn(64, D)
     y, aux = pool(x)
-    assert aux.item() == 0.0
+    assert aux.loss.item() == 0.0
     (y * torch.randn_like(y)).sum().backward()
     assert pool.router.weight.grad.abs().max() > 1e-4  # a renormalised top-1 gate (== 1) gives ~0
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
+def test_every_dispatch_path_gives_whole_expert_stacks_a_gradient_when_an_expert_is_idle(path):
+    # Why DDP needs no find_unused_parameters: the stack is one parameter and it always gets a
+    # gradient, zero for the idle expert.
+    torch.manual_seed(0)
+    pool = new_pool(8, 8, 4, 2, path, aux_free_bias=True)
+    with torch.no_grad():
+        pool.router.selection_bias[3] = -10.0  # expert 3 is never selected
+    y, aux = pool(torch.randn(16, 8))
+    (y.square().sum() + aux.loss).backward()
+    for p in pool.parameters():
+        assert p.grad is not None
+    stacks = pool.experts
+    assert stacks.gate_up.grad[3].abs().sum() == 0 and stacks.down.grad[3].abs().sum() == 0
+    assert stacks.gate_up.grad[:3].abs().sum() > 0

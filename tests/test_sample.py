@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 16
 TEXT = "the quick brown fox jumps over the lazy dog.\nTHE END; 0123456789!\n"
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
-        "model.n_experts=4", "model.top_k=2", "model.d_expert=32", "train.device=cpu"]
+        "pool.n_experts=4", "pool.top_k=2", "pool.d_expert=32", "train.device=cpu"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,7 +53,7 @@ def run_dir(tmp_path_factory) -> Path:
     cfg = load_config(None, TINY)
     vocab = Vocab.from_text(TEXT)
     torch.manual_seed(0)
-    model = build_model(cfg.model, vocab.size, "cpu")
+    model = build_model(cfg.model, cfg.pool, vocab.size, "cpu")
     with torch.no_grad():
         for row in model.rows:
             row.attn.qkv.weight.mul_(25)   # sharp attention: positions (RoPE, cache slots) matter

@@ -15,11 +15,11 @@ from minagi.loading import load_trained
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import sink_report  # noqa: E402
-from tiny import train_tiny
+from tiny import run_tiny
 
 E, K, ROWS, BATCH, CONTEXT, EVAL_BATCHES = 4, 2, 2, 4, 16, 2
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
-        f"model.n_experts={E}", f"model.top_k={K}", "model.d_expert=32",
+        f"pool.n_experts={E}", f"pool.top_k={K}", "pool.d_expert=32",
         "train.steps=4", f"train.batch_size={BATCH}", "train.warmup_steps=2", "train.eval_every=4",
         f"train.eval_batches={EVAL_BATCHES}", "train.device=cpu"]
 
@@ -28,7 +28,7 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return train_tiny(tmp_path_factory.mktemp("sink"), TINY).run_dir / "best.pt"
+    return run_tiny(tmp_path_factory.mktemp("sink"), None, settings=TINY).run_dir / "best.pt"
 
 
 def _table(ckpt: Path, n_batches: int = EVAL_BATCHES, top: int = 5) -> tuple[dict, list[dict]]:
@@ -38,7 +38,7 @@ def _table(ckpt: Path, n_batches: int = EVAL_BATCHES, top: int = 5) -> tuple[dic
     corpus = load_corpus(data["path"], data["heldout_fraction"], data["cache_dir"], vocab=vocab)
     batches = heldout_batches(corpus.heldout_ids, BATCH, CONTEXT, n_batches, payload["config"]["train"]["seed"])
     diagnostics = sink_report.route_heldout(model, batches, "cpu")
-    return sink_report.sink_table(diagnostics, K, model.pools()[0].sink_ratio, top), diagnostics
+    return sink_report.sink_table(diagnostics, K, model.pool_cfg.sink_ratio, top), diagnostics
 
 
 def test_per_row_loads_sum_to_characters_times_top_k(ckpt):

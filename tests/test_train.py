@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import train as train_py
-from minagi import devices, trainer
+from minagi import devices, runlog, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
 from minagi.data import get_batch
 from minagi.model import CharLM
 from minagi.runlog import HISTORY_FIELDS, History, read_history
 from minagi.trainer import NonFiniteLossError, lr_factor, resume_config, train
-from tiny import tiny_text
+from tiny import TINY, run_tiny, tiny_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,37 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 GOLDEN_LOSSES = [3.6949, 3.628, 3.5486, 3.46, 3.4171, 3.3425]
 GOLDEN_HELDOUT = 3.3604
 
-TINY = ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "model.context=16",
-        "model.n_experts=4", "model.top_k=2", "model.d_expert=32",
-        "train.steps=6", "train.batch_size=4", "train.warmup_steps=2", "train.eval_every=3",
-        "train.eval_batches=2", "train.device=cpu"]
-
-
-
-
-@pytest.fixture
-def data_path(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text(tiny_text(), encoding="utf-8")
-    return path
-
-
-def tiny_cfg(tmp_path, data_path, *extra: str, run_name: str = "run"):
-    return load_config(None, [*TINY, f"data.path={data_path}", f"data.cache_dir={tmp_path / 'cache'}",
-                              f"train.out_dir={tmp_path / 'runs'}", f"train.run_name={run_name}", *extra])
-
-
-def run_tiny(tmp_path, data_path, *extra: str, run_name: str = "run", **kwargs):
-    return train(tiny_cfg(tmp_path, data_path, *extra, run_name=run_name), "tiny", progress=False,
-                 log=lambda msg: None, argv=["test"], **kwargs)
-
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("golden")
-    path = tmp_path / "text.txt"
-    path.write_text(tiny_text(), encoding="utf-8")
-    return run_tiny(tmp_path, path)
+    return run_tiny(tmp_path_factory.mktemp("golden"), None)
 
 
 # ------------------------------------------------------------------------------ the golden run
@@ -192,6 +165,50 @@ def test_a_fresh_run_refuses_to_overwrite_an_existing_run_folder(tmp_path, data_
         run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
 
 
+@pytest.mark.parametrize("where", ["evaluation", "checkpoint write"])
+@pytest.mark.parametrize("at_step", [2, 4])
+def test_ctrl_c_during_an_evaluation_loses_neither_its_record_nor_best_pt(tmp_path, data_path, monkeypatch,
+                                                                          where, at_step):
+    # Ctrl-C while step 2's (or the last step's) evaluation runs or writes its files: the resumed
+    # run must end with the uninterrupted run's history and best.pt, not skip that evaluation.
+    extra = ("train.steps=4", "train.eval_every=2")
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    module, name = (trainer, "evaluate") if where == "evaluation" else (runlog, "save_checkpoint")
+    real = getattr(module, name)
+    calls = [0]
+
+    def interrupting(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at_step // 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(module, name, interrupting)
+        first = run_tiny(tmp_path, data_path, *extra, run_name="cut")
+    assert first.interrupted and first.step == at_step
+    assert not list(first.run_dir.glob("*.tmp-*"))
+    cfg, profile = resume_config(first.run_dir)
+    if where == "checkpoint write":  # the handler finished the evaluation's files
+        assert [r["step"] for r in read_history(first.run_dir / "history.jsonl")] == [2, 4][:at_step // 2]
+    if where == "checkpoint write" and at_step == 4:
+        second_losses = []  # nothing left to do: the run is complete
+        with pytest.raises(trainer.ConfigError, match="already at step 4"):
+            train(cfg, profile, first.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    else:
+        second = train(cfg, profile, first.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+        assert second.step == 4 and second.heldout_loss == full.heldout_loss
+        second_losses = second.losses
+    assert first.losses + second_losses == full.losses
+    cut, ref = read_history(first.run_dir / "history.jsonl"), read_history(full.run_dir / "history.jsonl")
+    assert [r["step"] for r in cut] == [r["step"] for r in ref] == [2, 4]
+    for a, b in zip(cut, ref):
+        for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    assert load_checkpoint(first.run_dir / "best.pt")["step"] == load_checkpoint(full.run_dir / "best.pt")["step"]
+    assert load_checkpoint(first.run_dir / "last.pt")["meter"]["since"] == 0
+
+
 # ------------------------------------------------------------------------------ failures
 
 def test_interrupted_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_path,
@@ -205,12 +222,14 @@ def test_interrupted_checkpoint_write_leaves_the_previous_checkpoint_loadable(tm
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(runlog.RunFolderError, match=r"last\.pt: cannot write: no space left on device; .*"
+                                                    r"last\.pt keeps the last good checkpoint \(step 2\)$"):
         run_tiny(tmp_path, data_path, "train.steps=6", "train.eval_every=2")
     run_dir = tmp_path / "runs" / "run"
     last = load_checkpoint(run_dir / "last.pt")
     assert last["step"] == 2
-    model = CharLM(tiny_cfg(tmp_path, data_path).model, len(last["vocab"]))
+    cfg = tiny_cfg(tmp_path, data_path)
+    model = CharLM(cfg.model, cfg.pool, len(last["vocab"]))
     model.load_state_dict(last["model"])
     assert [r["step"] for r in read_history(run_dir / "history.jsonl")] == [2]
     assert not list(run_dir.glob("*.tmp-*"))
@@ -275,6 +294,15 @@ def test_train_py_config_error_is_one_stderr_line_and_exit_2(tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.n_expert" in lines[0], done.stderr
+
+
+def test_minagi_swiglu_sets_pool_swiglu_and_a_bad_value_is_a_one_line_error():
+    assert train_py.environment_overrides({"MINAGI_SWIGLU": "eager"}) == ["pool.swiglu=eager"]
+    assert train_py.environment_overrides({}) == []
+    done = subprocess.run([sys.executable, "train.py", "--set", "train.steps=1"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "MINAGI_SWIGLU": "fast"}, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got 'fast'"
 
 
 def test_train_py_exit_codes_for_resume_misuse_nan_and_ctrl_c(tmp_path, data_path, monkeypatch, capsys):

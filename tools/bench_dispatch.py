@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi import swiglu as swiglu_module  # noqa: E402
+from minagi.config import PoolConfig  # noqa: E402
+from minagi.dense import dense_swiglu  # noqa: E402
 from minagi.dispatch import PATHS, native_supported, resolve_dispatch  # noqa: E402
 from minagi.pool import PooledMLP  # noqa: E402
 
@@ -95,9 +95,7 @@ def dense_step(rows: int, width: int, expert_width: int, device, dtype):
     grad_out = torch.randn(rows, width, device=device, dtype=dtype)
 
     def step():
-        gate, up = (x @ w1).chunk(2, -1)
-        y = (F.silu(gate) * up) @ w2
-        torch.autograd.grad(y, (x, w1, w2), grad_out)
+        torch.autograd.grad(dense_swiglu(x, w1, w2), (x, w1, w2), grad_out)
     return step
 
 
@@ -118,10 +116,13 @@ def matmul_step(rows: int, width: int, expert_width: int, device, dtype):
     return step
 
 
-def pool_step(pool: PooledMLP, path: str, x, ids, gates, grad_out):
+def pool_step(pool: PooledMLP, path: str, x, ids, gates, grad_out, seen: dict | None = None):
+    """One forward + backward of the experts; `seen` gets the last call's RouteCounts."""
     def step():
-        y = pool.experts_forward(x, ids, gates, path=path)
-        torch.autograd.grad(y, (x, pool.gate_up, pool.down, gates), grad_out)
+        y, counts = pool.experts_forward(x, ids, gates, path=path)
+        torch.autograd.grad(y, (x, pool.experts.gate_up, pool.experts.down, gates), grad_out)
+        if seen is not None:
+            seen["counts"] = counts
     return step
 
 
@@ -163,14 +164,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    swiglu_module.FUSED_SWIGLU = args.swiglu
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     D = Fw = args.width
     E, K = args.experts, args.top_k
     default_path = resolve_dispatch("auto", device, dtype)
     paths = [p for p in args.paths if p != "native" or native_supported(device, dtype)]
     torch.manual_seed(0)
-    pool = PooledMLP(D, Fw, E, K, dispatch="grouped").to(device=device, dtype=dtype)
+    pool = PooledMLP(D, PoolConfig(n_experts=E, top_k=K, d_expert=Fw, swiglu=args.swiglu)).to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -190,15 +190,15 @@ def main(argv=None) -> int:
             grad_out = torch.randn(n_chars, D, device=device, dtype=dtype)
             load = torch.bincount(ids.flatten(), minlength=E)
             for path in paths:
-                pool.read_diagnostics(reset=True)
-                ms, b2b, peak = timed(pool_step(pool, path, x, ids, gates, grad_out), args.repeat, device)
-                diag = pool.read_diagnostics(reset=True)
+                seen = {}
+                ms, b2b, peak = timed(pool_step(pool, path, x, ids, gates, grad_out, seen), args.repeat, device)
+                padding_ratio = seen["counts"].padded_rows / rows
                 row = {
                     "chars": n_chars, "skew": skew, "path": path, "ms": ms, "tflops": flops / ms / 1e9,
                     "dense_ms": dense_ms, "vs_dense": dense_ms / ms,
                     "matmul_ms": matmul_ms, "vs_matmul": matmul_ms / ms,
                     "ms_back_to_back": b2b, "dense_ms_back_to_back": dense_b2b, "vs_dense_back_to_back": dense_b2b / b2b,
-                    "matmul_ms_back_to_back": matmul_b2b, "vs_matmul_back_to_back": matmul_b2b / b2b, "padding_ratio": diag["padding_ratio"],
+                    "matmul_ms_back_to_back": matmul_b2b, "vs_matmul_back_to_back": matmul_b2b / b2b, "padding_ratio": padding_ratio,
                     "peak_bytes": peak, "dense_peak_bytes": dense_peak,
                     "peak_vs_dense": peak / dense_peak if dense_peak else None,
                     "max_over_fair": load.max().item() / (rows / E), "default": path == default_path,

@@ -9,7 +9,7 @@ One PNG, HISTORY_PNG, of 2 x 2 panels (FIG_INCHES at DPI = 1600 x 1000 pixels):
   memory      GPU allocator figures (allocated, reserved, their interval peaks) when the run has
               them, else the process resident memory (rss_bytes); GiB
   sinks       per row, the busiest expert's load over the fair share (max_over_fair), with the
-              run's model.sink_ratio as a dashed line
+              run's pool.sink_ratio as a dashed line
 Needs matplotlib (an optional extra). Exit status: 0 written, 2 no run / empty history / no matplotlib.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minagi.config import upgrade_config_dict  # noqa: E402
 from minagi.runlog import read_history, read_run_info  # noqa: E402
 
 HISTORY_PNG = "history.png"
@@ -45,7 +46,7 @@ def load_series(run: str | Path) -> dict:
 
     run: a run folder or a history.jsonl path. Keys: chars, train_bpc, heldout_bpc, chars_per_s,
     memory ({label: [GiB]}), memory_source ("allocator" or "rss"), sink_ratio ({row: [ratio]}),
-    sink_threshold (model.sink_ratio from run.json, None when unknown), steps.
+    sink_threshold (pool.sink_ratio from run.json, None when unknown), steps.
     """
     path = Path(run)
     if not path.exists():
@@ -83,7 +84,8 @@ def load_series(run: str | Path) -> dict:
     out["sink_ratio"] = {row: [_num(b[row]["max_over_fair"]) if row in b else math.nan for b in by_row]
                          for row in rows}
     try:
-        out["sink_threshold"] = float(read_run_info(run_dir)["config"]["model"]["sink_ratio"])
+        config = upgrade_config_dict(read_run_info(run_dir)["config"])  # format 1 kept it under [model]
+        out["sink_threshold"] = float(config["pool"]["sink_ratio"])
     except (OSError, ValueError, KeyError, TypeError):
         out["sink_threshold"] = None
     return out

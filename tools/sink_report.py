@@ -27,6 +27,7 @@ from minagi import devices  # noqa: E402
 from minagi.checkpoint import CheckpointError  # noqa: E402
 from minagi.config import ConfigError, config_from_dict  # noqa: E402
 from minagi.data import DataError, heldout_batches, load_corpus  # noqa: E402
+from minagi.diagnostics import RoutingMeter, step_counts  # noqa: E402
 from minagi.loading import load_trained  # noqa: E402
 
 MATPLOTLIB_MISSING = "sink_report needs matplotlib for --heatmap: pip install matplotlib"
@@ -40,7 +41,7 @@ def entropy_bits(load: list[int]) -> float:
 
 
 def sink_table(diagnostics: list[dict], top_k: int, sink_ratio: float, top: int = 5) -> dict:
-    """The report as plain data, from `CharLM.sink_diagnostics()` dicts (one per row).
+    """The report as plain data, from `RoutingMeter.read()` dicts (one per row).
 
     Returns {"characters", "top_k", "routed", "n_experts", "sink_ratio", "rows": [...]}; each row:
     row, path, characters, routed, load (all experts), fair_share, busiest (the `top` busiest, 0 =
@@ -76,13 +77,13 @@ def sink_table(diagnostics: list[dict], top_k: int, sink_ratio: float, top: int 
 
 @torch.no_grad()
 def route_heldout(model, batches, device: torch.device | str) -> list[dict]:
-    """Sink diagnostics of `model` over `batches` alone (what was accumulated before is dropped)."""
+    """Sink diagnostics of `model` over `batches`: the routing counts its forwards return, summed."""
     device = torch.device(device)
-    model.sink_diagnostics(reset=True)
+    meter = RoutingMeter()
     with devices.autocast(device):
         for x, _ in batches:
-            model(x.to(device))
-    return model.sink_diagnostics(reset=True)
+            meter.add(step_counts(model(x.to(device)).routing))
+    return meter.read(model.pool_cfg.sink_ratio)
 
 
 def format_table(table: dict) -> str:
@@ -165,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # The pools' own threshold, the one their `sinks` diagnostic counts with.
-    table = sink_table(route_heldout(model, batches, device), cfg.model.top_k,
-                       model.pools()[0].sink_ratio, args.top)
+    if not model.pools():
+        print(f"error: {args.checkpoint}: a dense model (model.mlp = \"dense\") has no experts to report",
+              file=sys.stderr)
+        return 2
+    # The run's own threshold, the one the history's `sinks` counts with.
+    table = sink_table(route_heldout(model, batches, device), cfg.pool.top_k, cfg.pool.sink_ratio, args.top)
     print(f"checkpoint {args.checkpoint} (step {payload.get('step', '?')}), held-out text of "
           f"{data_path or 'the standard library sources'}: {n_batches} batches x "
           f"{cfg.train.batch_size} x {cfg.model.context} characters, device {device.type}")

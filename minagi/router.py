@@ -1,0 +1,93 @@
+"""Routing as a value: which experts each character goes to, with what gates; the aux terms as functions.
+
+Shape legend: N characters, D model width, E experts, K top_k.
+
+The router scores E experts per character in fp32 and keeps the top_k. Gates are renormalised over
+the chosen experts when top_k > 1; top-1 keeps the raw probability, as Switch does (a renormalised
+single gate is exactly 1, and the router would learn from the aux terms alone). With the aux-free
+bias (DeepSeek-V3), a selection-only bias is added to the scores that choose the experts; the gates
+use the unbiased probabilities. The bias moves only when the trainer calls `step_bias` with a
+training step's loads: a forward changes nothing.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import recompute
+
+__all__ = ["Router", "Routing", "balance_loss", "routed_counts", "z_loss"]
+
+
+class Routing(NamedTuple):
+    expert_ids_NK: Tensor  # int64, distinct experts per character
+    gates_NK: Tensor       # fp32 weights of the chosen experts' outputs
+    probs_NE: Tensor       # fp32 softmax over all experts (unbiased)
+    logits_NE: Tensor      # fp32 router logits
+
+
+class Router(nn.Module):
+    """Linear scores D -> E, softmax, top-k; `forward(x_ND) -> Routing`."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, aux_free_bias: bool = False):
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_free_bias = n_experts, top_k, aux_free_bias
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))  # [E, D], as nn.Linear holds it
+        # nn.Linear's own initialisation, so a model draws the same random numbers as before the
+        # router was a module of its own (the pool re-initialises it; the golden run stays put).
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.register_buffer("selection_bias", torch.zeros(n_experts))  # aux-free, selection only
+
+    def forward(self, x_ND: Tensor) -> Routing:
+        with torch.autocast(x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), self.weight.float())
+            probs_NE = logits_NE.softmax(-1)
+            # The choice is not differentiable; a row's checkpoint replay takes the forward's, so a
+            # recompute can neither re-draw ties nor see a bias that moved in between.
+            expert_ids_NK = recompute.remember((self, "expert_ids"), lambda: self._choose(probs_NE))
+            gates_NK = probs_NE.gather(-1, expert_ids_NK)
+            if self.top_k > 1:
+                gates_NK = gates_NK / gates_NK.sum(-1, keepdim=True)
+        return Routing(expert_ids_NK, gates_NK, probs_NE, logits_NE)
+
+    @torch.no_grad()  # nothing saved for backward: the replay, which skips this, saves the same tensors
+    def _choose(self, probs_NE: Tensor) -> Tensor:
+        scores_NE = probs_NE + self.selection_bias if self.aux_free_bias else probs_NE
+        return scores_NE.topk(self.top_k, dim=-1).indices
+
+    @torch.no_grad()
+    def step_bias(self, load_E: Tensor, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free update from one training step's loads (summed over ranks):
+        b_i += rate * sign(mean_load - load_i)."""
+        if not self.aux_free_bias:
+            return
+        load_E = load_E.float()
+        self.selection_bias += torch.where(load_E.sum() > 0, rate * torch.sign(load_E.mean() - load_E), 0.0)
+
+
+def routed_counts(expert_ids_NK: Tensor, n_experts: int) -> Tensor:
+    """Routed rows per expert [E] in fp32, counted with index_add (bincount on CUDA syncs the host)."""
+    flat = expert_ids_NK.reshape(-1)
+    return torch.zeros(n_experts, device=flat.device).index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+
+
+def balance_loss(routing: Routing, counts_E: Tensor) -> Tensor:
+    """Switch's `E * sum_i f_i * P_i` (unweighted): f_i the fraction of routed rows in `counts_E`
+    (this rank's or the job's), P_i the mean router probability."""
+    n_experts = routing.probs_NE.shape[-1]
+    if routing.probs_NE.shape[0] == 0:
+        return routing.probs_NE.new_zeros(())
+    f_E = counts_E / counts_E.sum().clamp(min=1)
+    return n_experts * (f_E * routing.probs_NE.mean(0)).sum()
+
+
+def z_loss(routing: Routing) -> Tensor:
+    """Router z-loss `mean(logsumexp(logits)^2)` (unweighted): keeps the logits from growing."""
+    if routing.logits_NE.shape[0] == 0:
+        return routing.logits_NE.new_zeros(())
+    return torch.logsumexp(routing.logits_NE, -1).square().mean()
