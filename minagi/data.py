@@ -2,13 +2,15 @@
 
 A corpus is read once, split into train / held-out text, encoded with the vocabulary and cached as
 two .npy files that later loads memory-map (no re-encoding). Batches are a pure function of
-(seed, step): the data position on resume is just the step number.
+(seed, step): the data position on resume is just the step number. Options: Project Gutenberg
+files can be cut to the book alone (minagi.gutenberg), and named files held out.
 
 Shapes: B global batch, b = B // world_size rows per rank, T context (characters per sequence).
 """
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import json
@@ -22,6 +24,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+
+from .gutenberg import STRIP_VERSION, MarkersMissing, strip_gutenberg as _strip_pg
 
 __all__ = [
     "DataError", "DataWarning", "VocabError", "Vocab", "Corpus", "load_corpus", "get_batch",
@@ -159,6 +163,9 @@ class Corpus:
     heldout_sources: list[str] = field(default_factory=list)  # whole files held out ([] for one file)
     cache_hit: bool = False      # True when the ids were memory-mapped from an earlier encoding
     cache_path: str = ""         # the .json describing the cached entry ("" if caching failed)
+    content_key: str = ""        # the cache's key of files, bytes and options: equal keys, same split
+    # name -> (train characters, held-out characters) it gives, after stripping; in `sources` order
+    chars_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -287,8 +294,78 @@ def _split(sources: list[_Source], heldout_fraction: float) -> tuple[list[_Sourc
     return [s for s in sources if s.name not in names], [s for s in sources if s.name in names], None
 
 
-def _content_key(sources: list[_Source], heldout_fraction: float) -> str:
-    h = hashlib.sha256(f"{_CACHE_FORMAT}\0{float(heldout_fraction)!r}\0".encode())
+def _split_named(sources: list[_Source], names: list[str]) -> tuple[list[_Source], list[_Source], None]:
+    held = set(names)
+    return [s for s in sources if s.name not in held], [s for s in sources if s.name in held], None
+
+
+def _describe(corpus: Corpus, sources: list[_Source], content: str) -> Corpus:
+    """Fill in content_key and chars_by_source (the texts are in memory on a cache hit too)."""
+    held = set(corpus.heldout_sources)
+    if len(sources) == 1:
+        by_source = {sources[0].name: (corpus.train_chars, corpus.heldout_chars)}
+    else:
+        by_source = {s.name: (0, len(s.text)) if s.name in held else (len(s.text), 0) for s in sources}
+    corpus.content_key, corpus.chars_by_source = content, by_source
+    return corpus
+
+
+def _strip_gutenberg(sources: list[_Source]) -> None:
+    """Each text -> its book alone (minagi.gutenberg); DataError naming a file without the markers."""
+    for s in sources:
+        try:
+            s.text = _strip_pg(s.text)
+        except MarkersMissing as e:
+            raise DataError(f"{str(s.path)!r}: strip_gutenberg is on but the file has {e}") from None
+        if not s.text:
+            raise DataError(f"{str(s.path)!r}: nothing between its Project Gutenberg START and END lines")
+
+
+def _named_heldout(sources: list[_Source], heldout_files: Sequence[str], label: str) -> list[str]:
+    """heldout_files -> the sorted source names they pick (a name as `sources` lists it, or a bare
+    file name that only one source has); DataError for unknown, ambiguous or all of them."""
+    if isinstance(heldout_files, str):
+        raise DataError(f"heldout_files must be a list of file names, got the string {heldout_files!r}")
+    if len(sources) == 1:
+        raise DataError(f"heldout_files {list(heldout_files)} given but {label} is one file "
+                        f"({sources[0].name!r}); its held-out part is the last heldout_fraction")
+    names = [s.name for s in sources]
+    by_base: dict[str, list[str]] = {}
+    for n in names:
+        by_base.setdefault(n.rsplit("/", 1)[-1], []).append(n)
+    picked, unknown, ambiguous = set(), [], []
+    for want in heldout_files:
+        key = want.replace(os.sep, "/")
+        if key in names:
+            picked.add(key)
+        elif len(by_base.get(key, [])) == 1:
+            picked.add(by_base[key][0])
+        elif key in by_base:
+            ambiguous.append(f"{want!r} ({' or '.join(map(repr, by_base[key][:3]))})")
+        else:
+            unknown.append(want)
+    if unknown:
+        hints = [m for u in unknown for m in difflib.get_close_matches(u, names, n=2)]
+        valid = list(dict.fromkeys(hints + names))[:5]
+        raise DataError(f"heldout_files: {', '.join(map(repr, unknown))} not among the {len(names)} files "
+                        f"of {label}; valid names include {', '.join(map(repr, valid))}")
+    if ambiguous:
+        raise DataError(f"heldout_files: {', '.join(ambiguous)} names several files of {label}; "
+                        "give the name as Corpus.sources lists it")
+    if len(picked) == len(names):
+        raise DataError(f"heldout_files names every file of {label}; leave at least one to train on")
+    return sorted(picked)
+
+
+def _content_key(sources: list[_Source], heldout_fraction: float, *, strip_gutenberg: bool = False,
+                 heldout_files: Sequence[str] = ()) -> str:
+    """Hash of the names and bytes, the split and the options; the defaults hash as before they existed.
+
+    heldout_files (resolved, sorted) replace the fraction: it plays no part in that split."""
+    split = f"{float(heldout_fraction)!r}" if not heldout_files else "files:" + "\0".join(heldout_files)
+    h = hashlib.sha256(f"{_CACHE_FORMAT}\0{split}\0".encode("utf-8", "surrogatepass"))
+    if strip_gutenberg:
+        h.update(f"strip_gutenberg={STRIP_VERSION}\0".encode())
     for s in sources:
         h.update(s.name.encode("utf-8", "surrogatepass") + b"\0" + len(s.raw).to_bytes(8, "little"))
         h.update(s.raw)
@@ -343,7 +420,8 @@ def _encode_files(vocab: Vocab, texts: list[tuple[str, str]]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=vocab.dtype)
 
 
-def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: Vocab | None = None) -> Corpus:
+def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: Vocab | None = None, *,
+                strip_gutenberg: bool = False, heldout_files: Sequence[str] = ()) -> Corpus:
     """Read, split, encode and cache a corpus (see module docstring).
 
     path: a text file, a directory (every regular non-hidden file under it, recursively, sorted), a
@@ -352,13 +430,23 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
     unknown character); given (resume / sampling) it is used as is and a character outside it is a
     VocabError naming the file and the characters.
     cache_dir: "" = ~/.cache/minagi. Entries are keyed by a hash of the files' names and bytes, the
-    held-out fraction and the vocabulary.
+    split (held-out fraction or files), strip_gutenberg and the vocabulary; `Corpus.content_key`
+    is that hash without the vocabulary.
+    strip_gutenberg: keep only the book of each file (minagi.gutenberg: the text between the
+    Project Gutenberg START and END lines, PG's own notes dropped), before the vocabulary and the
+    split are made; a file without the markers is a DataError naming it.
+    heldout_files: hold out exactly these files (names as `Corpus.sources` lists them, or a bare
+    file name that only one of them has); heldout_fraction is then ignored. Only for corpora of
+    several files, and at least one file must be left to train on.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise DataError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     sources, label = _resolve(path)
     sources = _read(sources, label)
-    content = _content_key(sources, heldout_fraction)
+    if strip_gutenberg:
+        _strip_gutenberg(sources)
+    named = _named_heldout(sources, heldout_files, label) if len(heldout_files) else []
+    content = _content_key(sources, heldout_fraction, strip_gutenberg=strip_gutenberg, heldout_files=named)
 
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     cache = cache / "corpus"
@@ -370,9 +458,9 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
     if hit is None and vocab is not None:
         hit = _try_cache(meta_path, vocab)
     if hit is not None:
-        return hit
+        return _describe(hit, sources, content)
 
-    train_src, held_src, cut = _split(sources, heldout_fraction)
+    train_src, held_src, cut = _split(sources, heldout_fraction) if not named else _split_named(sources, named)
     if vocab is None:
         vocab = Vocab.from_text(s.text for s in sources)
     if cut is not None:
@@ -404,9 +492,10 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
         written = None
     if written is not None:
         written.cache_hit = False
-        return written
-    return Corpus(vocab, train_ids, heldout_ids, meta["sources"], meta["train_chars"], meta["heldout_chars"],
-                  meta["heldout_sources"], cache_hit=False, cache_path="")
+        return _describe(written, sources, content)
+    return _describe(Corpus(vocab, train_ids, heldout_ids, meta["sources"], meta["train_chars"],
+                            meta["heldout_chars"], meta["heldout_sources"], cache_hit=False, cache_path=""),
+                     sources, content)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -300,3 +300,148 @@ def test_batch_windows_stay_inside_the_ids():
         assert int(y.max()) <= 19
         seen.update(x[:, 0].tolist())
     assert seen == {0, 1, 2, 3}
+
+
+# --- Project Gutenberg stripping and named held-out files ----------------------------------------
+
+GUTENBERG = SHARED_DATA / "gutenberg"
+BOOK = "CHAPTER I\n\nIt was a dark night.\n\n\n\nCHAPTER II\n\n  The end came; it was not Pale.\n"
+LICENCE = ("*** START: FULL LICENSE ***\n\nTHE FULL PROJECT GUTENBERG LICENSE\n"
+           "Section 1.  General Terms of Use & Redistributing Project Gutenberg-tm electronic works\n"
+           "#$%@ www.gutenberg.org\n")
+
+
+def _pg_file(start: str, end: str, book: str = BOOK) -> str:
+    """A Project Gutenberg file as the real ones are laid out, with CRLF line endings."""
+    text = (f"The Project Gutenberg EBook of Night, by Nobody\n\nTitle: Night\n\n{start}\n\n\n\n"
+            f"Produced by an anonymous Project Gutenberg volunteer\n\n\n\n{book}\n\n\n"
+            f"End of the Project Gutenberg EBook of Night, by\nNobody\n\n{end}\n\n{LICENCE}")
+    return text.replace("\n", "\r\n")
+
+
+@pytest.mark.parametrize("start, end", [
+    ("*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***", "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***"),
+    ("***START OF THE PROJECT GUTENBERG EBOOK NIGHT***", "***END OF THE PROJECT GUTENBERG EBOOK NIGHT***"),
+    ("*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*", "(no END line: old files)"),
+])
+def test_strip_gutenberg_keeps_only_the_book_before_vocab_and_split(tmp_path, cache, start, end):
+    path = _write(tmp_path / "night.txt", _pg_file(start, end))
+    corpus = load_corpus(str(path), 0.25, cache_dir=cache, strip_gutenberg=True)
+    assert corpus.vocab.decode(np.concatenate([corpus.train_ids, corpus.heldout_ids])) == BOOK
+    assert corpus.vocab == Vocab.from_text(BOOK)           # no licence character ('#', '@', ...) in it
+    cut = int(len(BOOK) * 0.75)
+    assert (corpus.train_chars, corpus.heldout_chars) == (cut, len(BOOK) - cut)
+    assert corpus.chars_by_source == {"night.txt": (cut, len(BOOK) - cut)}
+
+
+def test_strip_gutenberg_drops_paragraphs_naming_project_gutenberg_and_keeps_blank_lines():
+    from minagi.gutenberg import strip_gutenberg
+    body = ("\n\n\nTITLE\n\n[Project Gutenberg Editor's Note: see\nanother edition]\n\n\n\nOne.\n  \nTwo,"
+            " the project; Gutenberg's press.\n\n\nEnd of Project Gutenberg's Title, by A\n\n")
+    text = f"head\n*** START OF THE PROJECT GUTENBERG EBOOK T ***{body}*** END OF THE PROJECT GUTENBERG EBOOK T ***\n"
+    assert strip_gutenberg(text) == "TITLE\n\n\n\nOne.\n  \nTwo, the project; Gutenberg's press.\n"
+
+
+@pytest.mark.parametrize("case", ["no start", "no end"])
+def test_strip_gutenberg_without_markers_is_a_one_line_error_naming_the_file(tmp_path, cache, case):
+    good = _write(tmp_path / "pg" / "good.txt", _pg_file("*** START OF THIS PROJECT GUTENBERG EBOOK X ***",
+                                                         "*** END OF THIS PROJECT GUTENBERG EBOOK X ***"))
+    bad = _write(tmp_path / "pg" / "plain.txt", "just a text\n" if case == "no start"
+                 else "*** START OF THIS PROJECT GUTENBERG EBOOK Y ***\nand no end\n")
+    with pytest.raises(DataError) as info:
+        load_corpus(str(tmp_path / "pg"), 0.5, cache_dir=cache, strip_gutenberg=True)
+    msg = str(info.value)
+    assert "\n" not in msg and str(bad) in msg and str(good) not in msg
+    assert ("no Project Gutenberg START line" if case == "no start" else "no Project Gutenberg END line") in msg
+    load_corpus(str(tmp_path / "pg"), 0.5, cache_dir=cache)  # without the option the file is fine
+
+
+def test_strip_gutenberg_and_heldout_files_change_the_cache_key(tmp_path, cache):
+    root = tmp_path / "pg"
+    for name in ("a.txt", "b.txt", "c.txt"):
+        _write(root / name, _pg_file("*** START OF THIS PROJECT GUTENBERG EBOOK X ***",
+                                     "*** END OF THIS PROJECT GUTENBERG EBOOK X ***", BOOK + name))
+    plain = load_corpus(str(root), 0.3, cache_dir=cache)
+    stripped = load_corpus(str(root), 0.3, cache_dir=cache, strip_gutenberg=True)
+    named = load_corpus(str(root), 0.3, cache_dir=cache, heldout_files=["b.txt"])
+    keys = {plain.content_key, stripped.content_key, named.content_key}
+    assert len(keys) == 3 and not stripped.cache_hit and not named.cache_hit
+    assert stripped.train_chars + stripped.heldout_chars < plain.train_chars + plain.heldout_chars
+    for c in (plain, stripped, named):
+        assert Path(c.cache_path).name.startswith(c.content_key + "-")
+    again = load_corpus(str(root), 0.3, cache_dir=cache, strip_gutenberg=True)
+    assert again.cache_hit and again.content_key == stripped.content_key
+    assert again.chars_by_source == stripped.chars_by_source
+    # The fraction plays no part in a split by named files: same key, a cache hit.
+    other = load_corpus(str(root), 0.05, cache_dir=cache, heldout_files=["b.txt"])
+    assert other.cache_hit and other.content_key == named.content_key
+
+
+def test_default_content_key_is_the_one_caches_were_written_under_before_the_options(tmp_path, cache):
+    import hashlib
+    root = _many_files(tmp_path / "c", n=4)
+    corpus = load_corpus(str(root), 0.2, cache_dir=cache)
+    h = hashlib.sha256(f"{data._CACHE_FORMAT}\0{0.2!r}\0".encode())
+    for name in corpus.sources:
+        raw = (root / name).read_bytes()
+        h.update(name.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+    assert corpus.content_key == h.hexdigest()[:32]
+
+
+def test_heldout_files_hold_out_exactly_those_files(tmp_path, cache):
+    root = _many_files(tmp_path / "corpus", n=9)
+    corpus = load_corpus(str(root), 0.5, cache_dir=cache, heldout_files=["sub1/f04.txt", "f00.txt", "f00.txt"])
+    assert corpus.heldout_sources == ["sub0/f00.txt", "sub1/f04.txt"]
+    texts = {s: (root / s).read_text() for s in corpus.sources}
+    assert corpus.vocab.decode(corpus.heldout_ids) == texts["sub0/f00.txt"] + texts["sub1/f04.txt"]
+    assert corpus.vocab.decode(corpus.train_ids) == "".join(
+        texts[s] for s in corpus.sources if s not in corpus.heldout_sources)
+    assert list(corpus.chars_by_source) == corpus.sources
+    for name, (train, held) in corpus.chars_by_source.items():
+        assert (train, held) == ((0, len(texts[name])) if name in corpus.heldout_sources else (len(texts[name]), 0))
+    assert sum(t for t, _ in corpus.chars_by_source.values()) == corpus.train_chars
+    assert sum(h for _, h in corpus.chars_by_source.values()) == corpus.heldout_chars
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["f01.txt", "sub2/nope.txt"], r"'sub2/nope.txt' not among the 6 files of .*valid names include 'sub2/f02.txt'"),
+    (["x.txt"], r"'x.txt' \('a/x.txt' or 'b/x.txt'\) names several files"),
+    (["a/x.txt", "b/x.txt", "sub0/f00.txt", "f01.txt", "f02.txt", "f03.txt"], "names every file"),
+    ("f01.txt", "must be a list of file names, got the string 'f01.txt'"),
+])
+def test_heldout_files_errors_are_one_line_naming_the_files(tmp_path, cache, names, expected):
+    root = _many_files(tmp_path / "corpus", n=4)
+    _write(root / "a" / "x.txt", "ax")
+    _write(root / "b" / "x.txt", "bx")
+    with pytest.raises(DataError, match=expected) as info:
+        load_corpus(str(root), 0.2, cache_dir=cache, heldout_files=names)
+    assert "\n" not in str(info.value)
+
+
+def test_heldout_files_on_a_single_file_corpus_is_an_error(tmp_path, cache):
+    path = _write(tmp_path / "one.txt", "abc" * 100)
+    with pytest.raises(DataError, match=r"heldout_files \['one.txt'\] given but .*one.txt.* is one file"):
+        load_corpus(str(path), 0.1, cache_dir=cache, heldout_files=["one.txt"])
+    assert load_corpus(str(path), 0.1, cache_dir=cache, heldout_files=[]).chars_by_source == {"one.txt": (270, 30)}
+
+
+@pytest.mark.skipif(not GUTENBERG.is_dir(), reason="../shared/data/gutenberg not present")
+def test_all_real_gutenberg_books_strip_to_their_text(cache):
+    from minagi.gutenberg import strip_gutenberg
+    files = sorted(GUTENBERG.glob("*.txt"))
+    assert len(files) == 18
+    for path in files:
+        text = path.read_text(encoding="utf-8").replace("\r\n", "\n")
+        book = strip_gutenberg(text)
+        assert "gutenberg" not in book.lower(), path.name
+        assert "*** START" not in book and "***END" not in book.replace("*** END", "***END"), path.name
+        # Alice, the shortest book, keeps the least: 88%; every other book over 95%.
+        assert len(book) / len(text) > (0.85 if path.name.startswith("pg11_") else 0.95), path.name
+        assert book.endswith("\n") and not book.startswith("\n")
+        assert set(book.split("\n")) <= set(text.split("\n")), path.name  # whole lines dropped, none cut
+    # The README's suggested split: hold out Alice and Frankenstein (about 0.57 M characters).
+    corpus = load_corpus(str(GUTENBERG / "*.txt"), 0.1, cache_dir=cache, strip_gutenberg=True,  # not MANIFEST.tsv
+                         heldout_files=["pg11_alice_in_wonderland.txt", "pg84_frankenstein.txt"])
+    assert corpus.heldout_sources == ["pg11_alice_in_wonderland.txt", "pg84_frankenstein.txt"]
+    assert 560_000 < corpus.heldout_chars < 575_000 and corpus.vocab.size <= 87
+    assert corpus.train_chars + corpus.heldout_chars == sum(t + h for t, h in corpus.chars_by_source.values())
