@@ -32,7 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", help="a name in profiles/ or a .toml path "
                                      "(default: cuda_small with a GPU, cpu_tiny without)")
-    p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path)")
+    p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path); with --resume, "
+                                  "where the run's corpus is now (its content must be the same)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting (repeatable); on --resume only train.steps, "
                         "pool.sink_ratio and pool.swiglu")
@@ -57,23 +58,31 @@ def resolve(args: argparse.Namespace) -> tuple:
     from minagi.trainer import resume_config
 
     args.sets = environment_overrides() + args.sets  # a --set of the same key wins
+    if args.data is not None:
+        args.sets = [f"data.path={absolute(args.data)}", *args.sets]
     if args.resume:
-        given = [flag for flag, value in (("--profile", args.profile), ("--data", args.data),
-                                          ("--run-name", args.run_name)) if value]
+        given = [flag for flag, value in (("--profile", args.profile), ("--run-name", args.run_name)) if value]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot be combined with --resume (the run keeps "
-                              "its own settings; --set train.steps=N extends it)")
+                              "its own settings; --set train.steps=N extends it, --data says where its "
+                              "corpus is now)")
         return resume_config(args.resume, args.sets)
     profile = args.profile
     if profile is None:
         import torch  # is_available() asks the driver; it allocates nothing, so the alloc conf still applies
         profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
     cfg = load_config(profile, args.sets)
-    if args.data is not None:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=args.data))
+    # Paths as absolute ones: run.json and the checkpoints must name the same files from anywhere.
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), cache_dir=absolute(cfg.data.cache_dir))
+    cfg = dataclasses.replace(cfg, data=data)
     if args.run_name is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=args.run_name))
     return cfg, Path(profile).stem
+
+
+def absolute(path: str) -> str:
+    """`path` (a file, folder or glob; ~ expanded) as an absolute path; "" stays "" (the default)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
 def _report(error: BaseException, ranks: distributed.RankInfo, joined: bool) -> None:

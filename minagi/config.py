@@ -39,7 +39,8 @@ class ConfigError(ValueError):
 
 # --- value checks shared by __post_init__ and the loader -------------------------------------
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+               tuple[str, ...]: "an array of strings"}
 
 
 def _toml_type(value: Any) -> str:
@@ -80,6 +81,11 @@ def _check_type(key: str, typ: Any, value: Any) -> Any:
         if not isinstance(value, str) or value not in choices:
             raise ConfigError(f"{key} = {_fmt(value)} is not one of: {', '.join(choices)}", key)
         return value
+    if typing.get_origin(typ) is tuple:  # tuple[str, ...]: a TOML array of strings
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} = {_fmt(value)} has the wrong type: expected an array of strings, "
+                              f"got {_toml_type(value)}", key)
+        return tuple(value)
     if typ is bool:
         ok = isinstance(value, bool)
     elif typ is int:
@@ -205,7 +211,9 @@ class DataConfig(_Section):
     section: ClassVar[str] = "data"
 
     path: str = ""  # file, directory or glob; "" = the Python standard library's source files
-    heldout_fraction: float = 0.1
+    heldout_fraction: float = 0.1  # several files: whole files near this share; one file: its last part
+    heldout_files: tuple[str, ...] = ()  # hold out exactly these files (names as the corpus lists them)
+    strip_gutenberg: bool = False  # drop each file's Project Gutenberg header and licence first
     cache_dir: str = ""  # "" = ~/.cache/minagi
 
     def _validate(self) -> None:
@@ -257,12 +265,45 @@ class TrainConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertsConfig(_Section):
+    """How the pools' expert stacks are held: trainable (the default), or frozen (NF4 or plain),
+    with optional LoRA adapters that train, and what row checkpointing keeps of them."""
+
+    section: ClassVar[str] = "experts"
+
+    frozen: bool = False
+    quant: Literal["nf4", "none"] = "nf4"   # frozen stacks in 4-bit NormalFloat, or as bf16 buffers
+    blocksize: int = 64                    # NF4 block: one fp32 absmax per this many weights
+    double_quant: bool = False             # the absmax quantized too (8-bit, blocks of 256)
+    lora_rank: int = 0                     # 0 = no adapters
+    lora_alpha: float = 16.0               # adapters scale by lora_alpha / lora_rank
+    replay_pin: Literal["auto", "on", "off"] = "auto"  # keep a row replay's dequantized stack for its backward
+    pin_floor_mib: float = 512.0           # auto pins a stack only from this size (docs/benchmarks.md)
+    offload: Literal["none", "cpu"] = "none"  # frozen stacks homed in pinned CPU memory, staged per row
+
+    def _validate(self) -> None:
+        _require(self.blocksize in (32, 64, 128, 256, 512, 1024, 2048, 4096), "experts.blocksize", self.blocksize,
+                 "must be a power of two from 32 to 4096")
+        self._at_least(0, "lora_rank", "pin_floor_mib")
+        _require(self.lora_rank % 8 == 0, "experts.lora_rank", self.lora_rank,
+                 "must be a multiple of 8 (grouped GEMMs in bf16 need it; 0 = no adapters)")
+        self._positive("lora_alpha")
+        _require(self.frozen or self.lora_rank == 0, "experts.lora_rank", self.lora_rank,
+                 "LoRA adapters train on frozen experts: set experts.frozen = true (or lora_rank = 0)")
+        _require(self.frozen or self.offload == "none", "experts.offload", self.offload,
+                 "only frozen experts can be offloaded: set experts.frozen = true")
+        _require(self.offload == "none" or self.quant == "nf4", "experts.offload", self.offload,
+                 "offload stages NF4 stacks: set experts.quant = \"nf4\"")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MemoryConfig(_Section):
     """Allocator settings; applied by the entry point before the first CUDA allocation."""
 
     section: ClassVar[str] = "memory"
 
     alloc_conf: str = ""  # e.g. "expandable_segments:True"
+    gpu_cap_gib: float = 0.0  # > 0: this process may allocate at most this much of the GPU (a smaller card)
 
     def _validate(self) -> None:
         # PyTorch parses "key:value,key:value"; a malformed string only warns (or is ignored)
@@ -271,6 +312,7 @@ class MemoryConfig(_Section):
                  for item in self.alloc_conf.split(",")) if self.alloc_conf else True
         _require(ok, "memory.alloc_conf", self.alloc_conf,
                  "expected comma-separated name:value pairs, e.g. \"expandable_segments:True\"")
+        self._at_least(0, "gpu_cap_gib")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,6 +321,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -289,6 +332,8 @@ class Config:
             if not isinstance(value, f.type):
                 raise ConfigError(f"config.{f.name} must be a {f.type.__name__}, "
                                   f"got {type(value).__name__}", f.name)
+        if self.experts.frozen and self.model.mlp == "dense":
+            raise ConfigError("experts.frozen = true needs pooled experts: model.mlp is \"dense\"", "experts.frozen")
 
     @property
     def dense_width(self) -> int:
@@ -305,6 +350,10 @@ RESUMABLE_KEYS = (
     "train.steps",      # extending a run
     "pool.sink_ratio",  # reporting only: which loads the diagnostics call sinks
     "pool.swiglu",      # the same function through other kernels
+    "data.path",        # where the corpus is now: its content must be the run's (checked on resume)
+    "data.cache_dir",   # where its encoding is cached
+    "experts.replay_pin",     # the same bits, kept or recomputed
+    "experts.pin_floor_mib",
 )
 
 # Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].

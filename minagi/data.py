@@ -25,6 +25,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from .atomic import atomic_write
+
 from .gutenberg import STRIP_VERSION, MarkersMissing, strip_gutenberg as _strip_pg
 
 __all__ = [
@@ -92,9 +94,6 @@ class Vocab:
         for t in texts:
             seen.update(t)
         return cls("".join(sorted(seen)))
-
-    def to_list(self) -> list[str]:
-        return list(self.chars)
 
     @property
     def size(self) -> int:
@@ -376,15 +375,12 @@ def _vocab_key(vocab: Vocab) -> str:
     return hashlib.sha256(vocab.chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
+def _cache_write(path: Path, write) -> None:
+    """write(f) into a new file that replaces `path` whole (no fsync: a lost entry is re-encoded)."""
+    def into(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, into, durable=False)
 
 
 def _load_npy(path: Path, n: int) -> np.ndarray:
@@ -481,10 +477,10 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
     try:
         cache.mkdir(parents=True, exist_ok=True)
         base = meta_path.with_suffix("")
-        _atomic_write(base.with_suffix(".train.npy"), lambda f: np.save(f, train_ids))
-        _atomic_write(base.with_suffix(".heldout.npy"), lambda f: np.save(f, heldout_ids))
+        _cache_write(base.with_suffix(".train.npy"), lambda f: np.save(f, train_ids))
+        _cache_write(base.with_suffix(".heldout.npy"), lambda f: np.save(f, heldout_ids))
         # The .json goes last: its presence marks a complete entry.
-        _atomic_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=True).encode()))
+        _cache_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=True).encode()))
         written = _try_cache(meta_path, vocab)
     except OSError as e:
         warnings.warn(f"cannot write the corpus cache in {str(cache)!r} ({e.strerror or e}); "

@@ -145,7 +145,7 @@ def install_count_reducers(model: torch.nn.Module) -> None:
         pool.count_reducer = all_reduce_sum
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+def wrap_ddp(model: torch.nn.Module, device: torch.device, ignore: list[str] = ()) -> DistributedDataParallel:
     """DDP around `model` for the training forward (and backward's gradient averaging).
 
     find_unused_parameters stays off: an expert stack is one parameter, and every dispatch path
@@ -154,6 +154,9 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPar
     gradient buckets by DDP itself. Buffers are not broadcast before each forward: the selection bias
     is kept identical on every rank by the summed loads, and frozen stacks are the same everywhere.
     """
+    # `ignore`: buffers DDP must neither broadcast at start nor sync (frozen stacks: the same on every
+    # rank already, gigabytes, and, offloaded, on the CPU where NCCL cannot reach them).
+    model._ddp_params_and_buffers_to_ignore = list(ignore)
     no_buffer_sync = ({"forward_sync_buffers": False}  # newer torch's name (still syncs at init: fine)
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})

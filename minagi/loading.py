@@ -1,4 +1,5 @@
-"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training)."""
+"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), and
+start a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,10 +27,42 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     vocab = Vocab.from_chars(payload["vocab"])
-    model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width)
+    model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts,
+                        init_frozen=False)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise CheckpointError(f"{path}: the weights do not fit the model its config describes ({first})") from None
     return model.eval(), vocab, payload
+
+
+@torch.no_grad()
+def init_from_checkpoint(model: CharLM, payload: dict, path: str | Path) -> list[str]:
+    """A trained checkpoint's weights into a newly built `model`: every tensor by name and shape;
+    a trainable expert stack into a frozen one is quantized on the way. Returns the tensors the
+    checkpoint did not have and the model starts fresh (LoRA adapters). Any other difference is a
+    one-line CheckpointError naming the tensor."""
+    from .frozen import frozen_stacks
+    state = payload["model"]
+    frozen = frozen_stacks(model)
+    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for key, value in state.items():
+        if key in frozen:
+            if tuple(value.shape) != frozen[key].shape:
+                raise CheckpointError(f"{path}: {key} is {list(value.shape)}, the new model's is "
+                                      f"{list(frozen[key].shape)}")
+            frozen[key].load_weights(value)
+            continue
+        if key not in targets:
+            raise CheckpointError(f"{path}: {key} has no place in the model this profile builds")
+        if targets[key].shape != value.shape:
+            raise CheckpointError(f"{path}: {key} is {list(value.shape)}, the new model's is "
+                                  f"{list(targets[key].shape)}")
+        targets[key].copy_(value)
+    loaded_stacks = {k for k in frozen if k in state}
+    fresh = [k for k in targets if k not in state and not any(k.startswith(f"{s}.") for s in loaded_stacks)]
+    if [k for k in fresh if ".lora_" not in k]:
+        first = next(k for k in fresh if ".lora_" not in k)
+        raise CheckpointError(f"{path}: has no {first}: not a checkpoint of this model's shape")
+    return fresh

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import ModelConfig, PoolConfig
+from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
 from .dispatch import resolve_dispatch
 from .pool import MLPAux, PooledMLP
@@ -108,12 +108,12 @@ class CharLM(nn.Module):
     """Embedding, `n_rows` rows, final norm, head. `forward(idx, targets=None, cache=None) -> LMOutput`."""
 
     def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
-                 dense_width: int = 0):
+                 dense_width: int = 0, make_experts: Callable[[], nn.Module] | None = None):
         super().__init__()
         self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        if cfg.mlp == "pooled":
-            mlp = lambda: PooledMLP(cfg.d_model, pool, path)  # noqa: E731
+        if cfg.mlp == "pooled":  # make_experts: each pool's stack, if not the trainable default
+            mlp = lambda: PooledMLP(cfg.d_model, pool, path, make_experts() if make_experts else None)  # noqa: E731
         else:
             mlp = lambda: DenseMLP(cfg.d_model, dense_width or pool.dense_width)  # noqa: E731
         self.rows = nn.ModuleList(Row(cfg, mlp) for _ in range(cfg.n_rows))
@@ -160,19 +160,29 @@ class CharLM(nn.Module):
             pool.router.step_bias(load_E, pool.cfg.bias_update_rate)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Decay matrices and expert stacks; not norms, gains, biases or any other 1-D parameter."""
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        """Decay matrices and expert stacks; not norms, gains, biases, any other 1-D parameter or the
+        LoRA adapters of frozen experts (decay would pull them to zero: towards no adaptation)."""
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        decays = lambda n, p: p.dim() >= 2 and ".lora_" not in n  # noqa: E731
+        return [{"params": [p for n, p in named if decays(n, p)], "weight_decay": weight_decay},
+                {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
 
 
 def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,
-                dense_width: int = 0, compiled: bool = False) -> CharLM:
+                dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
+                init_frozen: bool = True) -> CharLM:
     """Build on `device`, resolving dispatch `auto` once for it (bf16 compute on CUDA, fp32 elsewhere).
 
     `compiled`: the model will run under torch.compile (some paths do not trace there).
+    `experts`: with `frozen`, the pools hold frozen stacks (minagi/frozen.py), made on `device`
+    directly (a large pool is never built in fp32); `init_frozen` False leaves them to be loaded.
     """
     device = torch.device(device)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = resolve_dispatch(pool.dispatch, device, compute_dtype, compiled)
-    return CharLM(cfg, pool, vocab_size, path, dense_width).to(device)
+    make_experts = None
+    if experts is not None and experts.frozen:
+        from .frozen import FrozenExpertStack
+        make_experts = lambda: FrozenExpertStack(pool.n_experts, cfg.d_model, pool.d_expert, experts,  # noqa: E731
+                                                 device, init=init_frozen)
+    return CharLM(cfg, pool, vocab_size, path, dense_width, make_experts).to(device)

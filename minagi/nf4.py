@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["BLOCKSIZES", "DQ_BLOCKSIZE", "NF4_TABLE", "NF4Packed", "dequantize_absmax", "dequantize_nf4",
-           "dequantize_rows", "dynamic_map_signed", "quantize_nf4", "select_dequant"]
+           "dequantize_rows", "double_quantize_absmax", "dynamic_map_signed", "quantize_nf4", "select_dequant"]
 
-# bitsandbytes' NF4 table (REFERENCE.md §3): index -> value, exactly these fp32 numbers.
+# bitsandbytes' NF4 table: index -> value, exactly these fp32 numbers.
 NF4_TABLE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
@@ -209,10 +209,11 @@ def quantize_nf4(x: Tensor, blocksize: int = 64, double_quant: bool = False) -> 
         packed[start // 2:start // 2 + codes.numel() // 2] = (codes[0::2] << 4) | codes[1::2]
     if not double_quant:
         return NF4Packed(packed=packed, shape=tuple(x.shape), blocksize=blocksize, absmax=absmax)
-    return NF4Packed(packed=packed, shape=tuple(x.shape), blocksize=blocksize, **_double_quantize(absmax))
+    return NF4Packed(packed=packed, shape=tuple(x.shape), blocksize=blocksize, **double_quantize_absmax(absmax))
 
 
-def _double_quantize(absmax: Tensor) -> dict[str, Tensor]:
+def double_quantize_absmax(absmax: Tensor) -> dict[str, Tensor]:
+    """fp32 absmax [nb] -> {absmax_q [nb] uint8, absmax2 [ceil(nb/256)] fp32, offset [] fp32}."""
     _, _, _, dyn_mid = _tables(absmax.device)
     offset = absmax.mean()
     codes, absmax2 = _blockwise_codes(absmax - offset, DQ_BLOCKSIZE, dyn_mid)

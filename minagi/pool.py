@@ -59,7 +59,7 @@ class PooledMLP(nn.Module):
     # False sends the grouped path through the rectangle (every expert padded to the busiest).
     grouped_dispatch: bool = True
 
-    def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped"):
+    def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
@@ -69,7 +69,8 @@ class PooledMLP(nn.Module):
         self.count_reducer: Callable[[Tensor], Tensor] | None = None
         router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias)
         # The stack is registered first: parameters() keeps the order of checkpoints of format 1.
-        self.experts = ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
+        # `experts`: another stack behind the same seam (a frozen one: minagi/frozen.py).
+        self.experts = experts if experts is not None else ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
         self.router = router
         self.reset_parameters()
 

@@ -1,4 +1,4 @@
-"""Row checkpointing, applied from outside the model, and what a row's replay must not redo.
+"""Row checkpointing, applied from outside the model; what a row's replay must not redo; the replay pin.
 
 `apply_row_checkpointing(model)` wraps every row's forward in
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: the forward keeps only each row's
@@ -11,26 +11,49 @@ The replay is told apart from the forward by checkpoint's `context_fn`: one cont
 forward, another around the recompute, both sharing one `RowMemo` made for that row's call.
 The recompute runs while the caller's thread waits in backward, so one module-level slot for the
 active memo is enough (and torch.compile can read it).
+
+The replay pin: a frozen stack is dequantized in the forward, again in the replay and again in
+backward. A `PinPolicy` says whether the replay's dequantized stack is kept in the row's memo
+(`RowMemo.slots`, one-shot) for that row's backward: two dequants instead of three, the same bits.
+Slots a backward did not take are cleared at the next step (`clear_stale_slots`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Hashable, TypeVar
+import time
+import weakref
+from typing import Any, Callable, Hashable, Literal, TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["RowMemo", "active_memo", "apply_row_checkpointing", "remember"]
+__all__ = ["PinPolicy", "RowMemo", "active_memo", "apply_row_checkpointing", "clear_stale_slots", "cuda_headroom",
+           "remember"]
 
 T = TypeVar("T")
 
 
 class RowMemo:
-    """One checkpointed row call's values kept from its forward for its replay (each read once)."""
+    """One checkpointed row call's values kept from its forward for its replay (each read once), and
+    the slots its replay fills for its backward (each taken once)."""
 
     def __init__(self) -> None:
         self.values: dict[Hashable, Any] = {}
+        self.slots: dict[Hashable, torch.Tensor] = {}
         self.replaying = False
+        _LIVE.add(self)
+
+
+_LIVE: "weakref.WeakSet[RowMemo]" = weakref.WeakSet()  # memos whose graph may still hold them
+
+
+def clear_stale_slots() -> int:
+    """Drop every slot still held (a backward that stopped early); called as a step starts. The count."""
+    dropped = 0
+    for memo in list(_LIVE):
+        dropped += len(memo.slots)
+        memo.slots.clear()
+    return dropped
 
 
 class _Active:
@@ -94,3 +117,49 @@ def apply_row_checkpointing(model: torch.nn.Module) -> int:
         row.checkpointed = True
         wrapped += 1
     return wrapped
+
+
+# ---------------------------------------------------------------------------- the replay pin
+
+def cuda_headroom(device: torch.device) -> int:
+    """Bytes a new tensor can take without the allocator asking the driver for more than it has:
+    the driver's free memory plus what the allocator holds but does not use."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+class PinPolicy:
+    """Whether a row's replay keeps a dequantized stack for its backward, decided per stack and row.
+
+    on: always; off: never; auto: when the stack is at least `floor_bytes` (a small stack's
+    dequant costs less than the memory it would hold) and it fits: headroom >= 2 x its bytes, the
+    headroom query cached for `cache_s` (a driver query per replay costs more than a small dequant).
+    `headroom` is injectable (tests); `log` hears each stack's first decision and every change.
+    """
+
+    def __init__(self, mode: Literal["auto", "on", "off"] = "off", floor_bytes: int = 512 * 2**20,
+                 headroom: Callable[[torch.device], int] = cuda_headroom, cache_s: float = 0.5,
+                 log: Callable[[str], None] | None = None):
+        self.mode, self.floor_bytes, self.headroom, self.cache_s = mode, floor_bytes, headroom, cache_s
+        self.log = log or (lambda msg: None)
+        self.decisions: dict[str, bool] = {}
+        self._cached: tuple[float, int] | None = None
+
+    def decide(self, name: str, nbytes: int, device: torch.device) -> bool:
+        if self.mode == "off":
+            pin = False
+        elif self.mode == "on":
+            pin = True
+        else:
+            pin = nbytes >= self.floor_bytes and self._headroom(device) >= 2 * nbytes
+        if self.decisions.get(name) != pin:
+            self.log(f"replay pin ({self.mode}): {name} ({nbytes / 2**20:.0f} MiB) "
+                     f"{'pinned' if pin else 'recomputed'}")
+        self.decisions[name] = pin
+        return pin
+
+    def _headroom(self, device: torch.device) -> int:
+        now = time.monotonic()
+        if self._cached is None or now - self._cached[0] > self.cache_s:
+            self._cached = (now, self.headroom(device))
+        return self._cached[1]

@@ -46,6 +46,7 @@ HISTORY_FIELDS = (
     "rss_bytes",
     "sinks",              # the routing meter's rows (minagi/diagnostics.py): training steps since the last record
     "dropped_fraction",   # mean over rows of the rows' dropped fraction
+    "dequants",           # frozen stacks: dequants per step by phase, pinned replays, stacks (None: none)
 )
 
 

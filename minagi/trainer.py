@@ -39,10 +39,12 @@ from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
 from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
     upgrade_config_dict
-from .data import Vocab, get_batch, heldout_batches, load_corpus
+from .data import DataError, Vocab, get_batch, heldout_batches, load_corpus
 from .diagnostics import RoutingMeter, StepCounts, step_counts
 from .model import CharLM, build_model
-from .recompute import apply_row_checkpointing
+from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
+from .loading import init_from_checkpoint
+from .recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
 from .runlog import HISTORY_FIELDS, RunFolder, read_run_info
 
 __all__ = ["NonFiniteLossError", "TrainResult", "TrainState", "Training", "build_training", "check_world_size",
@@ -120,6 +122,37 @@ def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
         raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
                           f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
     return ckpt
+
+
+def corpus_summary(corpus) -> dict:
+    """What identifies and describes a run's corpus: in run.json and in every checkpoint."""
+    return {"content_key": corpus.content_key, "files": len(corpus.sources), "vocab_size": corpus.vocab.size,
+            "train_chars": corpus.train_chars, "heldout_chars": corpus.heldout_chars,
+            "heldout_files": list(corpus.heldout_sources)}
+
+
+def describe_corpus(corpus, path: str) -> str:
+    """One line for the start of a run: what it trains on and what it holds out."""
+    where = path or "the standard library's .py files"
+    held = (f"{len(corpus.heldout_sources)} whole files ({', '.join(corpus.heldout_sources[:4])}"
+            f"{', ...' if len(corpus.heldout_sources) > 4 else ''})" if corpus.heldout_sources
+            else "the end of the text")
+    return (f"data: {where}: {len(corpus.sources)} file(s), {corpus.train_chars:,} training characters, "
+            f"vocabulary {corpus.vocab.size}; held out: {held}, {corpus.heldout_chars:,} characters")
+
+
+def _check_same_corpus(corpus, ckpt: dict, path: str, source: Path) -> None:
+    """A resume trains on the run's corpus: the same content key (files, bytes, split options)."""
+    saved = (ckpt.get("corpus") or {}).get("content_key")
+    if saved is None:  # format 1 did not record it
+        return
+    if saved != corpus.content_key:
+        raise DataError(f"data.path {path or '(the standard library)'}: its content (key {corpus.content_key}, "
+                        f"{len(corpus.sources)} files, {corpus.train_chars + corpus.heldout_chars:,} characters) "
+                        f"differs from the corpus of the run in {source.parent} (key {saved}, "
+                        f"{ckpt['corpus']['files']} files, "
+                        f"{ckpt['corpus']['train_chars'] + ckpt['corpus']['heldout_chars']:,} characters); "
+                        "resume with --data pointing at the run's corpus")
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -207,20 +240,32 @@ class Training:
     updating: bool = False
 
 
-def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int) -> Training:
+def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *,
+                   init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
+    """The model, optimizer and schedule; row checkpointing, the replay pin, DDP and compile applied
+    from outside the model. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     torch.manual_seed(tc.seed)
-    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile)
+    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
+                        experts=cfg.experts, init_frozen=init_frozen)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    stacks = frozen_stacks(model)
     if tc.checkpoint_rows:
         apply_row_checkpointing(model)
+        if stacks:
+            policy = PinPolicy(cfg.experts.replay_pin, int(cfg.experts.pin_floor_mib * 2**20), log=log)
+            for module in model.modules():
+                if isinstance(module, FrozenExpertStack):
+                    module.pin = policy
     forward = model
     if world_size > 1:
         distributed.install_count_reducers(model)
-        forward = distributed.wrap_ddp(model, device)
+        # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
+        frozen_buffers = [f"{name}.{b}" for name, s in stacks.items() for b, _ in s.named_buffers()]
+        forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
     forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return Training(model, forward, optimizer, scheduler, schedule, params)
@@ -238,11 +283,11 @@ def restore_training(training: Training, ckpt: dict) -> None:
     restore_rng_state(ckpt["rng"])
 
 
-def checkpoint_payload(training: Training, state: TrainState, cfg: Config, vocab: Vocab, run_name: str) -> dict:
+def checkpoint_payload(training: Training, state: TrainState, cfg: Config, corpus, run_name: str) -> dict:
     return {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict(),
             "scheduler": training.scheduler.state_dict(), "rng": capture_rng_state(),
-            "config": config_to_dict(cfg), "vocab": vocab.chars, "step": state.step,
-            "best_heldout_loss": state.best, "run_name": run_name, "meter": state.meter()}
+            "config": config_to_dict(cfg), "vocab": corpus.vocab.chars, "corpus": corpus_summary(corpus),
+            "step": state.step, "best_heldout_loss": state.best, "run_name": run_name, "meter": state.meter()}
 
 
 # ------------------------------------------------------------------------------------ one step, one evaluation
@@ -264,6 +309,7 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
     bar needs it, and a NaN must stop the update), in the same all-reduce as the routing counts
     under DDP.
     """
+    clear_stale_slots()  # replay pins a stopped backward left behind
     with devices.autocast(device):
         out = training.forward(x, y)
     (out.loss + out.aux_loss).backward()
@@ -331,18 +377,23 @@ def evaluate(model: CharLM, batches, device: torch.device, world_size: int) -> f
 
 def train(cfg: Config, profile_name: str, resume: str | Path | None = None, *,
           rank: int = 0, world_size: int = 1, device: torch.device | None = None, progress: bool = True,
-          argv: list[str] | None = None, log: Callable[[str], None] | None = None) -> TrainResult:
+          argv: list[str] | None = None, log: Callable[[str], None] | None = None,
+          init: str | Path | None = None) -> TrainResult:
     """Train (or resume) one run; returns its per-step losses and held-out figures.
 
     resume: a run folder; its last.pt sets model, optimizer, scheduler, RNG and step, and `cfg` must
     equal the run's config but for RESUMABLE_KEYS (see `resume_config`). device: where to train
     (train.py chooses it once, with the rank's GPU under DDP); None = from `train.device`.
+    init: a trained checkpoint whose weights and vocabulary a new run starts from (its expert stacks
+    quantized when the profile freezes them); not with `resume`.
     Raises NonFiniteLossError on a NaN/inf loss, before anything is saved for that step. Ctrl-C saves
     last.pt and returns with `interrupted=True`.
     """
+    if init is not None and resume is not None:
+        raise ConfigError("--init starts a new run from a checkpoint's weights: not with --resume")
     trainer = Trainer(cfg, profile_name, resume, rank=rank, world_size=world_size,
                       device=device if device is not None else devices.choose_device(cfg.train.device),
-                      progress=progress, argv=argv, log=log)
+                      progress=progress, argv=argv, log=log, init=init)
     return trainer.run()
 
 
@@ -350,20 +401,35 @@ class Trainer:
     """One call of `train`: the run folder, the corpus, the training objects and state, the loop."""
 
     def __init__(self, cfg: Config, profile_name: str, resume: str | Path | None, *, rank: int, world_size: int,
-                 device: torch.device, progress: bool, argv: list[str] | None, log: Callable[[str], None] | None):
+                 device: torch.device, progress: bool, argv: list[str] | None, log: Callable[[str], None] | None,
+                 init: str | Path | None = None):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.is_main = rank == 0
         self.say = (log or (lambda msg: tqdm.write(msg, file=sys.stdout))) if self.is_main else (lambda msg: None)
         ckpt = self._open_run(profile_name, resume)
+        start = None
+        if init is not None:  # every rank reads it (rank 0 first: a bad file is one error everywhere)
+            start = distributed.main_first(lambda: load_checkpoint(init, map_location="cpu"), rank, world_size)
+            self.vocab = Vocab.from_chars(start["vocab"])
         # Rank 0 encodes and caches the corpus; the others then read its cache entry.
         data = cfg.data
         self.corpus = distributed.main_first(
-            lambda: load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=self.vocab), rank, world_size)
+            lambda: load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=self.vocab,
+                                strip_gutenberg=data.strip_gutenberg, heldout_files=data.heldout_files),
+            rank, world_size)
         self.vocab = self.corpus.vocab
+        if ckpt is not None:
+            _check_same_corpus(self.corpus, ckpt, data.path, self.folder.last)
         tc, mc = cfg.train, cfg.model
         self.eval_batches = heldout_batches(self.corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
                                             tc.seed, rank, world_size)
-        self.training = build_training(cfg, self.vocab.size, device, world_size)
+        self.training = build_training(cfg, self.vocab.size, device, world_size,
+                                       init_frozen=ckpt is None and start is None, log=self.say)
+        if start is not None:
+            fresh = init_from_checkpoint(self.training.model, start, init)
+            self.say(f"init: weights of {init} (step {start.get('step', '?')})"
+                     + (f"; {len(fresh)} adapter tensors start fresh" if fresh else ""))
+            del start
         self.state = TrainState()
         if ckpt is not None:
             restore_training(self.training, ckpt)
@@ -395,9 +461,12 @@ class Trainer:
         self.folder.claim()
         self.folder.start(config=config_to_dict(self.cfg), profile=profile_name,
                           device=devices.device_name(self.device), argv=argv if argv is not None else sys.argv,
-                          world_size=self.world_size, resumed_at_step=self.state.step if resumed else None)
-        self.folder.reconcile(record)
+                          world_size=self.world_size, resumed_at_step=self.state.step if resumed else None,
+                          extra={"corpus": corpus_summary(self.corpus)})
+        if self.folder.reconcile(record):
+            self.say(f"history: appended the record of step {record['step']} that a stop had cut off")
         self.say(f"run folder: {self.folder.path}" + (f" (resumed at step {self.state.step})" if resumed else ""))
+        self.say(describe_corpus(self.corpus, self.cfg.data.path))
 
     # ---------------------------------------------------------------- the loop
 
@@ -459,7 +528,9 @@ class Trainer:
     def _evaluate_and_record(self) -> None:
         # Collectives follow (held-out loss): every rank runs this.
         state, tc = self.state, self.cfg.train
+        self.dequants = dequant_summary(self.training.model, state.since)  # training steps' only
         heldout = evaluate(self.training.model, self.eval_batches, self.device, self.world_size)
+        dequant_summary(self.training.model, 1)  # drop the evaluation's
         if not math.isfinite(heldout):
             raise NonFiniteLossError(f"step {state.step}: held-out loss is not finite ({heldout}); stopped "
                                      f"without saving; {self.folder.kept()}", state.step)
@@ -471,7 +542,7 @@ class Trainer:
         result = self.result
         result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, state.best
         if self.is_main:
-            self.owed = (checkpoint_payload(self.training, state, self.cfg, self.vocab, self.run_name), record, improved)
+            self.owed = (checkpoint_payload(self.training, state, self.cfg, self.corpus, self.run_name), record, improved)
             self.folder.write_evaluation(*self.owed)  # from here on, Ctrl-C finishes these writes
             self.owed = None
         self.say(f"step {state.step}/{tc.steps}: train {record['train_loss']:.4f} | held-out "
@@ -489,6 +560,7 @@ class Trainer:
             **devices.memory_stats(self.device),
             "sinks": sinks,
             "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
+            "dequants": self.dequants,
         }
         return {k: record[k] for k in HISTORY_FIELDS}
 
@@ -504,7 +576,7 @@ class Trainer:
         if self.owed is not None:  # stopped while writing an evaluation's files: finish them
             self.folder.write_evaluation(*self.owed)
         else:
-            self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.vocab, self.run_name))
+            self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.corpus, self.run_name))
         self.say(f"interrupted: saved {self.folder.last} at step {state.step}; "
                  f"continue with --resume {self.folder.path}")
 

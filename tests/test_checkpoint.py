@@ -212,3 +212,28 @@ def test_copy_checkpoint_onto_its_existing_hard_link_leaves_no_temp_file(tmp_pat
     copy_checkpoint(last, best)
     assert load_checkpoint(best)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
+
+
+def test_a_format_1_run_resumes_with_the_losses_its_own_code_gave_and_writes(tmp_path, data_path):
+    # tests/assets/format1_run: 3 steps by the code before the [pool] section (commit 12eb8bc).
+    import json
+    import shutil
+
+    from minagi.loading import load_trained
+    from minagi.sampling import generate
+    from minagi.trainer import resume_config, train
+    run_dir = tmp_path / "fmt1"
+    shutil.copytree(Path(__file__).parent / "assets" / "format1_run", run_dir)
+    expected = json.loads((run_dir / "expected_losses.json").read_text())
+    old = load_checkpoint(run_dir / "last.pt")
+    assert old["format_version"] == FORMAT_VERSION and old["config"]["pool"]["n_experts"] == 4
+    assert "rows.0.mlp.experts.gate_up" in old["model"] and "rows.0.mlp.router.selection_bias" in old["model"]
+    model, vocab, _ = load_trained(run_dir / "last.pt")
+    assert len("".join(generate(model, vocab, "the ", 12, seed=1))) == 12
+    # Its data path was another machine's: say where the same text is now.
+    cfg, profile = resume_config(run_dir, ["train.steps=6", f"data.path={data_path}",
+                                           f"data.cache_dir={tmp_path / 'cache'}"])
+    resumed = train(cfg, profile, run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert resumed.start_step == 3 and resumed.step == 6
+    assert resumed.losses == pytest.approx(expected["losses"][3:], abs=1e-6)
+    assert resumed.heldout_loss == pytest.approx(expected["heldout"], abs=1e-6)

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import compare_runs  # noqa: E402
-from tiny import train_tiny
+from tiny import run_tiny
 
 LN2 = math.log(2)
 
@@ -72,10 +72,7 @@ def test_missing_figures_are_dashes_not_zeros(tmp_path):
 
 
 def test_reads_a_real_tiny_run(tmp_path, capsys):
-    run = train_tiny(tmp_path, ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "model.context=16",
-                                "model.n_experts=4", "model.top_k=2", "model.d_expert=32", "train.steps=4",
-                                "train.batch_size=4", "train.warmup_steps=2", "train.eval_every=2",
-                                "train.eval_batches=2", "train.device=cpu"]).run_dir
+    run = run_tiny(tmp_path, None, "train.steps=4", "train.eval_every=2").run_dir
     assert compare_runs.main([str(run), str(run / "history.jsonl"), "--labels", "a,b", "--no-png"]) == 0
     lines = capsys.readouterr().out.splitlines()
     a, b = (line.split(" | ") for line in lines[2:])

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from minagi.config import (
-    PROFILES_DIR, RESUMABLE_KEYS, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, PoolConfig,
+    PROFILES_DIR, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, PoolConfig,
     TrainConfig, apply_overrides, available_profiles, config_from_dict, config_to_dict, load_config,
     resolve_profile, upgrade_config_dict)
 
 SHIPPED = sorted(PROFILES_DIR.glob("*.toml"))
-SECTION_NAMES = "data, memory, model, pool, train"
+SECTION_NAMES = "data, experts, memory, model, pool, train"
 
 
 def profile_description(name: str) -> str:
@@ -25,6 +25,8 @@ def toml_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
 
 
@@ -135,6 +137,8 @@ def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
     ("[train]\nlr = true\n", "train.lr", "expected a float, got a boolean"),
     ("[train]\ncompile = 1\n", "train.compile", "expected a boolean, got an integer"),
     ("[data]\npath = 3\n", "data.path", "expected a string, got an integer"),
+    ('[data]\nheldout_files = "a.txt"\n', "data.heldout_files", "expected an array of strings, got a string"),
+    ("[data]\nheldout_files = [1]\n", "data.heldout_files", "expected an array of strings, got an array"),
     ("[train]\nsteps = [1, 2]\n", "train.steps", "expected an integer, got an array"),
     ("model = 3\n", "model", "must be a table [model]"),
     ("description = 3\n", "description", "expected a string"),
@@ -289,7 +293,7 @@ def test_description_is_allowed_beside_the_sections(tmp_path):
 
 
 def test_config_round_trips_through_dict_and_toml():
-    cfg = load_config(None, ["pool.n_experts=16", "pool.top_k=4", "train.lr=2.5e-4",
+    cfg = load_config(None, ["pool.n_experts=16", "pool.top_k=4", "train.lr=2.5e-4", 'data.heldout_files=["a.txt", "b c.txt"]',
                              "data.path=a \"quoted\"\tpath\u00e9", "pool.aux_free_bias=true",
                              "memory.alloc_conf=expandable_segments:True"])
     d = config_to_dict(cfg)
@@ -344,7 +348,3 @@ def test_format_1_config_dicts_move_their_pool_keys_under_pool():
                    "train": {"steps": 90}}
     assert upgrade_config_dict(new) == new and old["model"]["n_experts"] == 16  # idempotent, not in place
     assert config_from_dict(new).pool.top_k == 4
-
-
-def test_only_extension_and_reporting_keys_may_change_on_resume():
-    assert set(RESUMABLE_KEYS) == {"train.steps", "pool.sink_ratio", "pool.swiglu"}

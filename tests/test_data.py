@@ -42,7 +42,7 @@ def test_vocab_encode_decode_round_trip_including_non_ascii():
     assert vocab.decode(ids) == text
     assert vocab.decode(torch.from_numpy(ids.astype(np.int64))) == text
     assert vocab.decode(ids.tolist()) == text
-    assert Vocab.from_chars(vocab.to_list()) == vocab == Vocab.from_chars(vocab.chars)
+    assert Vocab.from_chars(list(vocab.chars)) == vocab == Vocab.from_chars(vocab.chars)
 
 
 def test_vocab_dtype_widens_past_256_characters():

@@ -15,11 +15,11 @@ from minagi.loading import load_trained
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import evaluate  # noqa: E402
-from tiny import tiny_text, train_tiny
+from tiny import run_tiny, tiny_text
 
 CONTEXT = 16
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
-        "model.n_experts=4", "model.top_k=2", "model.d_expert=32",
+        "pool.n_experts=4", "pool.top_k=2", "pool.d_expert=32",
         "train.steps=6", "train.batch_size=4", "train.warmup_steps=2", "train.eval_every=6",
         "train.eval_batches=2", "train.device=cpu"]
 CPU = torch.device("cpu")
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return train_tiny(tmp_path_factory.mktemp("evaluate"), TINY).run_dir / "best.pt"
+    return run_tiny(tmp_path_factory.mktemp("evaluate"), None, settings=TINY).run_dir / "best.pt"
 
 
 @pytest.fixture(scope="module")

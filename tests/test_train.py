@@ -315,9 +315,13 @@ def test_train_py_exit_codes_for_resume_misuse_nan_and_ctrl_c(tmp_path, data_pat
     capsys.readouterr()
 
     assert train_py.main(["--resume", str(run_dir), "--set", "train.lr=0.1"]) == 2
-    assert train_py.main(["--resume", str(run_dir), "--data", str(data_path)]) == 2
+    other = tmp_path / "other.txt"
+    other.write_text(data_path.read_text() + "one more line\n")
+    assert train_py.main(["--resume", str(run_dir), "--data", str(other)]) == 2
+    assert train_py.main(["--resume", str(run_dir), "--profile", "cpu_tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "train.lr" in err[0] and "--data" in err[1]
+    assert len(err) == 3 and "train.lr" in err[0] and "--profile" in err[2]
+    assert err[1].startswith(f"error: data.path {other}: its content") and "differs from the corpus" in err[1]
 
     with monkeypatch.context() as m:
         _nan_at_training_call(m, 2)  # the second step after resuming: step 4

@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         model, vocab, payload = load_trained(args.checkpoint, device)
         cfg = config_from_dict(payload["config"], source=args.checkpoint)
         data_path = cfg.data.path if args.data is None else args.data
-        corpus = load_corpus(data_path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab)
+        corpus = load_corpus(data_path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab,
+                             strip_gutenberg=cfg.data.strip_gutenberg,
+                             heldout_files=cfg.data.heldout_files if args.data is None else ())
         n_batches = args.batches or cfg.train.eval_batches
         batches = heldout_batches(corpus.heldout_ids, cfg.train.batch_size, cfg.model.context,
                                   n_batches, cfg.train.seed)
