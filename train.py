@@ -6,7 +6,9 @@
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
-The environment variable MINAGI_SWIGLU=eager is read here and only here: it sets pool.swiglu.
+The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
+MINAGI_REPLAY_PIN overrides experts.replay_pin (1/true/on/yes: on; 0/false/off/no: off; anything else,
+or unset: the profile's setting).
 Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder, 3 the loss became NaN/inf,
 130 Ctrl-C.
 """
@@ -39,18 +41,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "pool.sink_ratio and pool.swiglu")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
+    p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary "
+                                                  "(its expert stacks quantized when the profile freezes them)")
     return p.parse_args(argv)
 
 
+_PIN_ON, _PIN_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
 def environment_overrides(environ=os.environ) -> list[str]:
-    """--set items from the environment: MINAGI_SWIGLU=auto|eager -> pool.swiglu."""
+    """--set items from the environment: MINAGI_SWIGLU -> pool.swiglu, MINAGI_REPLAY_PIN -> experts.replay_pin."""
+    sets = []
     value = environ.get("MINAGI_SWIGLU")
-    if value is None:
-        return []
-    if value not in ("auto", "eager"):
-        raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {value!r}",
-                          "MINAGI_SWIGLU")
-    return [f"pool.swiglu={value}"]
+    if value is not None:
+        if value not in ("auto", "eager"):
+            raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {value!r}",
+                              "MINAGI_SWIGLU")
+        sets.append(f"pool.swiglu={value}")
+    pin = environ.get("MINAGI_REPLAY_PIN", "").strip().lower()
+    if pin in _PIN_ON:
+        sets.append("experts.replay_pin=on")  # on: every stack, no size floor
+    elif pin in _PIN_OFF:
+        sets.append("experts.replay_pin=off")
+    return sets
 
 
 def resolve(args: argparse.Namespace) -> tuple:
@@ -61,7 +74,8 @@ def resolve(args: argparse.Namespace) -> tuple:
     if args.data is not None:
         args.sets = [f"data.path={absolute(args.data)}", *args.sets]
     if args.resume:
-        given = [flag for flag, value in (("--profile", args.profile), ("--run-name", args.run_name)) if value]
+        given = [flag for flag, value in (("--profile", args.profile), ("--run-name", args.run_name),
+                                          ("--init", args.init)) if value]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot be combined with --resume (the run keeps "
                               "its own settings; --set train.steps=N extends it, --data says where its "
@@ -112,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
         with distributed.process_group(ranks, device) as device:
             joined = True
+            devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)
             try:
                 result = train(cfg, profile, args.resume, rank=ranks.rank, world_size=ranks.world_size,
-                               device=device, argv=[sys.executable, "train.py", *argv])
+                               device=device, argv=[sys.executable, "train.py", *argv], init=args.init)
             except NonFiniteLossError as e:
                 # The loss checked is the mean over ranks: every rank stops at this step; rank 0 says so.
                 if ranks.is_main:

@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-__all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "autocast", "choose_device", "device_name",
-           "memory_stats", "rss_bytes"]
+__all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
+           "device_name", "memory_stats", "rss_bytes"]
 
 # Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
 # ROCm builds PYTORCH_HIP_ALLOC_CONF. Setting a name a given build does not read is harmless, and
@@ -58,6 +58,19 @@ def apply_alloc_conf(alloc_conf: str) -> list[str]:
                           stacklevel=2)
         os.environ[name] = alloc_conf
     return names
+
+
+def apply_memory_cap(cap_gib: float, device: torch.device) -> float | None:
+    """memory.gpu_cap_gib: allow this process at most that much of the GPU (a smaller card's memory on a
+    larger one), through torch.cuda.set_per_process_memory_fraction. Returns the fraction set."""
+    if cap_gib <= 0:
+        return None
+    if device.type != "cuda":
+        raise DeviceError(f"memory.gpu_cap_gib = {cap_gib:g} caps a GPU, but this run trains on {device.type}")
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
 
 
 def choose_device(requested: str, option: str = "train.device") -> torch.device:

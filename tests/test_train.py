@@ -296,9 +296,23 @@ def test_train_py_config_error_is_one_stderr_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and "model.n_expert" in lines[0], done.stderr
 
 
-def test_minagi_swiglu_sets_pool_swiglu_and_a_bad_value_is_a_one_line_error():
+def test_minagi_swiglu_sets_pool_swiglu():
     assert train_py.environment_overrides({"MINAGI_SWIGLU": "eager"}) == ["pool.swiglu=eager"]
     assert train_py.environment_overrides({}) == []
+
+
+@pytest.mark.parametrize("value, expected", [
+    *[(v, ["experts.replay_pin=on"]) for v in ("1", "true", "on", "yes", "ON", " Yes ")],
+    *[(v, ["experts.replay_pin=off"]) for v in ("0", "false", "off", "no", "No")],
+    *[(v, []) for v in ("", "auto", "maybe", "2")],
+])
+def test_minagi_replay_pin_overrides_the_profiles_setting(value, expected):
+    assert train_py.environment_overrides({"MINAGI_REPLAY_PIN": value}) == expected
+    cfg = load_config(None, ["experts.frozen=true", "experts.replay_pin=auto", *expected])
+    assert cfg.experts.replay_pin == (expected[0].split("=")[1] if expected else "auto")
+
+
+def test_minagi_swiglu_bad_value_is_a_one_line_error():
     done = subprocess.run([sys.executable, "train.py", "--set", "train.steps=1"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "MINAGI_SWIGLU": "fast"}, timeout=120)
     assert done.returncode == 2

@@ -1,0 +1,251 @@
+"""minagi.frozen: frozen NF4 experts behind the expert-weights seam, LoRA on them, row checkpointing
+with and without the replay pin (the same bits, 3 or 2 dequants per stack per row), --init, resume,
+writing."""
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
+
+from minagi import recompute, trainer
+from minagi.checkpoint import load_checkpoint
+from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
+from minagi.frozen import FrozenExpertStack, FrozenStack, dequant_summary, frozen_stacks
+from minagi.loading import init_from_checkpoint, load_trained
+from minagi.model import build_model
+from minagi.nf4 import dequantize_nf4, quantize_nf4
+from minagi.recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
+from minagi.sampling import generate
+from minagi.trainer import resume_config, train
+from tiny import run_tiny
+
+PATHS = ["loop", "grouped", "rectangle", "native"]
+CFG = ModelConfig(n_rows=2, d_model=32, n_heads=2, context=16)
+FROZEN = ExpertsConfig(frozen=True, lora_rank=8, blocksize=32)
+
+
+def frozen_model(path="grouped", experts=FROZEN, seed=0):
+    torch.manual_seed(seed)
+    model = build_model(CFG, PoolConfig(n_experts=4, top_k=2, d_expert=32, dispatch=path, z_loss_coef=1e-3), 11,
+                        "cpu", experts=experts)
+    with torch.no_grad():  # adapters that are not zero, so their gradients and outputs matter
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 11, (3, 16), generator=g), torch.randint(0, 11, (3, 16), generator=g)
+
+
+def step(model, checkpointed=False):
+    x, y = batch()
+    model.zero_grad()
+    with set_checkpoint_early_stop(False):
+        out = model(x, y)
+        (out.loss + out.aux_loss).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads
+
+
+def set_pin(model, mode, **kwargs):
+    for m in model.modules():
+        if isinstance(m, FrozenExpertStack):
+            m.pin = PinPolicy(mode, **kwargs)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_pin_and_recompute_give_the_plain_models_bits_with_3_then_2_dequants_per_stack_and_row(path):
+    plain = frozen_model(path)
+    want_loss, want = step(plain)
+    counts = {"plain": dequant_summary(plain, 1)}
+    for mode in ("off", "on"):
+        model = frozen_model(path)
+        apply_row_checkpointing(model)
+        set_pin(model, mode)
+        loss, grads = step(model)
+        assert torch.equal(loss, want_loss), mode
+        assert grads.keys() == want.keys() and any("lora_" in k for k in grads) and any("router" in k for k in grads)
+        for name in want:
+            assert torch.equal(grads[name], want[name]), (mode, name)
+        counts[mode] = dequant_summary(model, 1)
+        assert not any(memo.slots for memo in list(recompute._LIVE)), "a slot outlived its backward"
+    stacks = 2 * CFG.n_rows
+    assert counts["plain"] == {"forward": stacks, "replay": 0, "backward": stacks, "pinned": 0, "stacks": stacks}
+    assert counts["off"] == {"forward": stacks, "replay": stacks, "backward": stacks, "pinned": 0, "stacks": stacks}
+    assert counts["on"] == {"forward": stacks, "replay": stacks, "backward": 0, "pinned": stacks, "stacks": stacks}
+
+
+def test_frozen_stacks_are_buffers_with_no_gradient_and_no_optimizer_state():
+    model = frozen_model()
+    loss, grads = step(model)
+    assert not any(".gate_up." in n and "lora" not in n or ".down." in n and "lora" not in n for n in grads)
+    assert frozen_stacks(model) and all(not any(True for _ in s.parameters()) for s in frozen_stacks(model).values())
+    decay, no_decay = model.param_groups(0.1)
+    lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and lora <= {id(p) for p in no_decay["params"]} and not lora & {id(p) for p in decay["params"]}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_frozen_stack_computes_what_a_trainable_stack_of_its_dequantized_weights_computes(path):
+    frozen = frozen_model(path, ExpertsConfig(frozen=True, blocksize=32))
+    torch.manual_seed(0)
+    plain = build_model(CFG, PoolConfig(n_experts=4, top_k=2, d_expert=32, dispatch=path, z_loss_coef=1e-3), 11, "cpu")
+    state = {k: v for k, v in frozen.state_dict().items() if ".experts." not in k}
+    for i, pool in enumerate(frozen.pools()):
+        state[f"rows.{i}.mlp.experts.gate_up"] = pool.experts.gate_up.dequantize(torch.float32)
+        state[f"rows.{i}.mlp.experts.down"] = pool.experts.down.dequantize(torch.float32)
+    plain.load_state_dict(state)
+    x, y = batch()
+    torch.testing.assert_close(frozen(x, y).logits, plain(x, y).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_chosen_experts_are_dequantized_alone_with_their_adapters():
+    experts = frozen_model().pools()[0].experts
+    ids = torch.tensor([3, 1, 3])
+    gate_up, down = experts.weights(torch.float32, experts=ids)
+    full = experts.gate_up.dequantize(torch.float32)
+    want = full[ids] + experts.scale * experts.lora_gate_up_a[ids] @ experts.lora_gate_up_b[ids]
+    torch.testing.assert_close(gate_up, want)
+    assert down.shape == (3, 32, 32)
+
+
+def test_stored_bytes_are_half_a_byte_per_weight_plus_the_absmax():
+    stack = FrozenStack((4, 32, 64), ExpertsConfig(frozen=True, blocksize=64), "cpu")
+    assert stack.stored_bytes() == 4 * 32 * 64 // 2 + 4 * 32 * 64 // 64 * 4  # 4.5 bits a weight
+    w = torch.randn(4, 32, 64)
+    stack.load_weights(w)
+    assert torch.equal(stack.dequantize(torch.float32), dequantize_nf4(quantize_nf4(w, 64), torch.float32))
+    double = FrozenStack((4, 32, 64), ExpertsConfig(frozen=True, blocksize=64, double_quant=True), "cpu")
+    double.load_weights(w)
+    assert torch.equal(double.dequantize(torch.float32), dequantize_nf4(quantize_nf4(w, 64, True), torch.float32))
+
+
+def test_auto_pins_a_stack_from_the_floor_up_and_only_when_it_fits():
+    room = {"bytes": 10 * 2**20}
+    queries = []
+
+    def headroom(device):
+        queries.append(device)
+        return room["bytes"]
+    policy = PinPolicy("auto", floor_bytes=2**20, headroom=headroom, cache_s=60.0)
+    cpu = torch.device("cpu")
+    assert not policy.decide("small", 2**20 - 1, cpu) and queries == []   # under the floor: no query
+    assert policy.decide("big", 4 * 2**20, cpu)                            # 10 MiB >= 2 x 4 MiB
+    assert not policy.decide("bigger", 6 * 2**20, cpu)                     # 10 MiB < 2 x 6 MiB
+    room["bytes"] = 100 * 2**20
+    assert not policy.decide("bigger", 6 * 2**20, cpu) and len(queries) == 1  # the query is cached
+    policy.cache_s = 0.0
+    assert policy.decide("bigger", 6 * 2**20, cpu) and len(queries) == 2
+    assert PinPolicy("on").decide("tiny", 1, cpu) and not PinPolicy("off").decide("huge", 2**40, cpu)
+    logged = []
+    noisy = PinPolicy("on", log=logged.append)
+    noisy.decide("rows.0", 2**20, cpu)
+    noisy.decide("rows.0", 2**20, cpu)
+    assert len(logged) == 1 and "rows.0" in logged[0] and "pinned" in logged[0]  # logged once
+
+
+def test_a_slot_no_backward_took_is_cleared_at_the_next_step():
+    model = frozen_model()
+    apply_row_checkpointing(model)
+    set_pin(model, "on")
+    x, y = batch()
+    with set_checkpoint_early_stop(False):
+        out = model(x, y)
+        # The router's gradient replays the last row but needs no gradient through its gate_up stack:
+        # that stack's pinned slot is never taken.
+        grads = torch.autograd.grad(out.loss, [model.pools()[-1].router.weight])
+    assert grads[0].abs().sum() > 0
+    assert sum(len(m.slots) for m in list(recompute._LIVE)) == 1
+    assert clear_stale_slots() > 0 and clear_stale_slots() == 0
+
+
+# ------------------------------------------------------------------------------ runs
+
+FROZEN_SETTINGS = ["experts.frozen=true", "experts.blocksize=32", "experts.lora_rank=8", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny trainable run, then a frozen-NF4 run with LoRA started from its best.pt."""
+    tmp = tmp_path_factory.mktemp("frozen")
+    base = run_tiny(tmp, None, "train.steps=12", "train.eval_every=6", run_name="base")
+    frozen = train(_frozen_cfg(tmp, "lora"), "tiny", progress=False, log=lambda m: None, argv=["test"],
+                   init=base.run_dir / "best.pt")
+    return tmp, base, frozen
+
+
+def _frozen_cfg(tmp, name, *extra):
+    from tiny import tiny_cfg
+    return tiny_cfg(tmp, None, *FROZEN_SETTINGS, "train.steps=12", "train.eval_every=6", *extra, run_name=name)
+
+
+def test_init_quantizes_a_trained_runs_stacks_and_lora_lowers_the_held_out_loss(trained):
+    from minagi.data import heldout_batches, load_corpus
+    from minagi.runlog import read_history
+    from minagi.trainer import evaluate
+    tmp, base, frozen = trained
+    last = load_checkpoint(frozen.run_dir / "last.pt")
+    assert "rows.0.mlp.experts.gate_up.packed" in last["model"] and "rows.0.mlp.experts.gate_up" not in last["model"]
+    # Only trainable tensors have optimizer state: the frozen stacks are buffers.
+    model = load_trained(frozen.run_dir / "last.pt")[0]
+    trainable = list(model.parameters())
+    assert sum(len(g["params"]) for g in last["optimizer"]["param_groups"]) == len(trainable)
+    assert sum(s["exp_avg"].numel() for s in last["optimizer"]["state"].values()) == sum(p.numel() for p in trainable)
+    # The held-out loss of the freshly quantized model, then after training (LoRA and the rest).
+    cfg = _frozen_cfg(tmp, "probe")
+    start = build_model(cfg.model, cfg.pool, model.vocab_size, "cpu", experts=cfg.experts, init_frozen=False)
+    init_from_checkpoint(start, load_checkpoint(base.run_dir / "best.pt"), "best.pt")
+    corpus = load_corpus(cfg.data.path, cfg.data.heldout_fraction, cfg.data.cache_dir)
+    batches = heldout_batches(corpus.heldout_ids, cfg.train.batch_size, cfg.model.context, cfg.train.eval_batches,
+                              cfg.train.seed)
+    quantized = evaluate(start, batches, torch.device("cpu"), 1)
+    history = read_history(frozen.run_dir / "history.jsonl")
+    assert history[-1]["heldout_loss"] < quantized
+    assert history[-1]["dequants"] == {"forward": 2, "replay": 0, "backward": 2, "pinned": 0, "stacks": 2}
+
+
+def test_a_frozen_run_resumes_exactly_and_writes(trained, monkeypatch):
+    tmp, base, frozen = trained
+    from minagi.data import get_batch
+
+    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
+        if step == 8:
+            raise KeyboardInterrupt
+        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "get_batch", interrupting)
+        cut = train(_frozen_cfg(tmp, "cut"), "tiny", progress=False, log=lambda msg: None, argv=["test"],
+                    init=base.run_dir / "best.pt")
+    assert cut.interrupted and cut.step == 8
+    cfg, profile = resume_config(cut.run_dir)
+    rest = train(cfg, profile, cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert cut.losses + rest.losses == frozen.losses and rest.heldout_loss == frozen.heldout_loss
+    model, vocab, _ = load_trained(cut.run_dir / "last.pt")
+    seen = []
+    real = FrozenStack.dequantize
+
+    def spy(self, dtype, experts=None, phase=None):
+        seen.append(None if experts is None else experts.numel())
+        return real(self, dtype, experts, phase)
+    monkeypatch.setattr(FrozenStack, "dequantize", spy)
+    text = "".join(generate(model, vocab, "the ", 5, seed=1))
+    assert len(text) == 5
+    # After the prompt's prefill, each character dequantizes only its top_k experts of each stack.
+    per_char = 2 * model.cfg.n_rows  # two stacks a row
+    assert seen[-4 * per_char:] == [2] * (4 * per_char)  # 4 one-character steps, top_k = 2 experts each
+    assert math.isfinite(rest.heldout_loss)
+
+
+def test_init_from_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(trained):
+    tmp, base, _ = trained
+    model = build_model(ModelConfig(n_rows=1, d_model=32, n_heads=2, context=16),
+                        PoolConfig(n_experts=4, top_k=2, d_expert=64), 30, "cpu",
+                        experts=ExpertsConfig(frozen=True, blocksize=32), init_frozen=False)
+    payload = load_checkpoint(base.run_dir / "best.pt")
+    with pytest.raises(Exception) as err:
+        init_from_checkpoint(model, payload, base.run_dir / "best.pt")
+    message = str(err.value)
+    assert "\n" not in message and "best.pt: " in message and ("embed.weight" in message or "experts" in message)
