@@ -154,6 +154,7 @@ class ModelConfig(_Section):
     rope_base: float = 10000.0
     mlp: Literal["pooled", "dense"] = "pooled"
     d_dense: int = 0  # the dense twin's hidden width; 0 = pool.top_k * pool.d_expert (equal active compute)
+    dropout: float = 0.0  # on the embedding, the attention probabilities and each residual branch (training)
 
     @property
     def head_dim(self) -> int:
@@ -162,6 +163,7 @@ class ModelConfig(_Section):
     def _validate(self) -> None:
         self._at_least(1, "n_rows", "d_model", "n_heads", "context")
         self._at_least(0, "d_dense")
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
                  f"must be a multiple of n_heads ({self.n_heads})")
         _require(self.head_dim % 2 == 0, "model.d_model", self.d_model,

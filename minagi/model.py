@@ -66,6 +66,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_base = cfg.n_heads, cfg.head_dim, cfg.rope_base
+        self.dropout = cfg.dropout  # on the attention probabilities, in training only (as nanoGPT)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
@@ -78,7 +79,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(row, k, v)  # [B, H, L, Dh]
         if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         elif T == 1:  # one new position sees everything cached
             y = F.scaled_dot_product_attention(q, k, v)
         else:  # a chunk appended to a cache: query i sees keys up to start + i
@@ -96,12 +98,13 @@ class Row(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model)
         self.mlp = make_mlp()  # built after the attention: the order in which parameters draw from the seed
+        self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> tuple[Tensor, MLPAux]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), row, cache)
+        x_BTD = x_BTD + self.resid_drop(self.attn(self.attn_norm(x_BTD), row, cache))
         B, T, D = x_BTD.shape
         y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D))
-        return x_BTD + y_ND.view(B, T, D), aux
+        return x_BTD + self.resid_drop(y_ND.view(B, T, D)), aux
 
 
 class CharLM(nn.Module):
@@ -116,6 +119,7 @@ class CharLM(nn.Module):
             mlp = lambda: PooledMLP(cfg.d_model, pool, path, make_experts() if make_experts else None)  # noqa: E731
         else:
             mlp = lambda: DenseMLP(cfg.d_model, dense_width or pool.dense_width)  # noqa: E731
+        self.embed_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.rows = nn.ModuleList(Row(cfg, mlp) for _ in range(cfg.n_rows))
         self.final_norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
@@ -132,7 +136,7 @@ class CharLM(nn.Module):
             row.mlp.reset_parameters(std=0.02, down_std=residual_std)
 
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> LMOutput:
-        x = self.embed(idx_BT)
+        x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []
         for i, row in enumerate(self.rows):

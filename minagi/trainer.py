@@ -235,12 +235,13 @@ class Training:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     schedule: Callable[[int], float]
     params: list[Tensor]
+    dropout_seed: int | None = None  # model.dropout > 0: the base of each step's seed (train.seed and rank)
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
     updating: bool = False
 
 
-def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *,
+def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
                    init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
     """The model, optimizer and schedule; row checkpointing, the replay pin, DDP and compile applied
     from outside the model. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
@@ -268,7 +269,8 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
     forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return Training(model, forward, optimizer, scheduler, schedule, params)
+    dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 else None
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed)
 
 
 def restore_training(training: Training, ckpt: dict) -> None:
@@ -310,6 +312,10 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
     under DDP.
     """
     clear_stale_slots()  # replay pins a stopped backward left behind
+    if training.dropout_seed is not None:
+        # Dropout masks as a function of (seed, step, rank): a resumed run draws the masks the
+        # uninterrupted one drew, whatever ran before; each rank draws its own rows' masks.
+        torch.manual_seed(training.dropout_seed + 1_000_003 * step)
     with devices.autocast(device):
         out = training.forward(x, y)
     (out.loss + out.aux_loss).backward()
@@ -423,7 +429,7 @@ class Trainer:
         tc, mc = cfg.train, cfg.model
         self.eval_batches = heldout_batches(self.corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
                                             tc.seed, rank, world_size)
-        self.training = build_training(cfg, self.vocab.size, device, world_size,
+        self.training = build_training(cfg, self.vocab.size, device, world_size, rank=rank,
                                        init_frozen=ckpt is None and start is None, log=self.say)
         if start is not None:
             fresh = init_from_checkpoint(self.training.model, start, init)

@@ -131,6 +131,27 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses(tmp_path, data_
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
 
 
+def test_dropout_changes_training_not_evaluation_and_a_resume_draws_the_same_masks(tmp_path, data_path,
+                                                                                   monkeypatch, golden):
+    extra = ("model.dropout=0.3",)
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    assert full.losses[0] != pytest.approx(golden.losses[0], abs=1e-4)  # masks in training
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 4)
+        first = run_tiny(tmp_path, data_path, *extra, run_name="cut")
+    cfg, profile = resume_config(first.run_dir)
+    second = train(cfg, profile, first.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert first.losses + second.losses == full.losses and second.heldout_loss == full.heldout_loss
+    model = load_trained_model(full.run_dir / "last.pt")
+    x = torch.zeros(2, 16, dtype=torch.long)
+    assert torch.equal(model(x).logits, model(x).logits)  # no masks in evaluation
+
+
+def load_trained_model(path):
+    from minagi.loading import load_trained
+    return load_trained(path)[0]
+
+
 def test_extending_a_finished_run_with_train_steps_equals_running_longer(tmp_path, data_path):
     # A flat schedule after warmup (min_lr_ratio=1): then the lr does not depend on train.steps and
     # "6 steps, extended to 10" must be the same run as "10 steps". (With a cosine the extension
