@@ -282,6 +282,7 @@ class ExpertsConfig(_Section):
     replay_pin: Literal["auto", "on", "off"] = "auto"  # keep a row replay's dequantized stack for its backward
     pin_floor_mib: float = 512.0           # auto pins a stack only from this size (docs/benchmarks.md)
     offload: Literal["none", "cpu"] = "none"  # frozen stacks homed in pinned CPU memory, staged per row
+    prefetch: bool = True                  # offload: copy the next row while this one computes
 
     def _validate(self) -> None:
         _require(self.blocksize in (32, 64, 128, 256, 512, 1024, 2048, 4096), "experts.blocksize", self.blocksize,
@@ -356,6 +357,8 @@ RESUMABLE_KEYS = (
     "data.cache_dir",   # where its encoding is cached
     "experts.replay_pin",     # the same bits, kept or recomputed
     "experts.pin_floor_mib",
+    "experts.offload",        # where the frozen stacks live between uses: the same weights
+    "experts.prefetch",
 )
 
 # Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].

@@ -57,39 +57,50 @@ class FrozenStack(nn.Module):
         self.shape, self.quant, self.blocksize = tuple(shape), cfg.quant, cfg.blocksize
         self.name = "stack"  # its place in the model, for logs (set by frozen_stacks)
         self.stats = DequantStats()
+        self.compute_device = torch.device(device)
         self.backend = select_dequant(device)
-        device = torch.device(device)
+        # offload = "cpu": the buffers are homes in pinned CPU memory (pinned once, here), staged to the
+        # compute device per use by a stager (minagi/offload.py) that `attach_offload` sets.
+        self.offloaded = cfg.offload == "cpu"
+        self.stager = None
+        device = torch.device("cpu") if self.offloaded else self.compute_device
+        pin = self.offloaded and torch.cuda.is_available()  # pinning needs a CUDA driver; tests stage CPU to CPU
+        empty = (lambda *a, **k: torch.empty(*a, **k).pin_memory()) if pin else torch.empty
         if self.quant == "none":
-            self.register_buffer("weight", torch.empty(shape, dtype=torch.bfloat16, device=device))
+            self.register_buffer("weight", empty(shape, dtype=torch.bfloat16, device=device))
             return
         n = math.prod(shape)
         if (n // shape[0]) % (2 * cfg.blocksize):
             raise ValueError(f"experts.blocksize = {cfg.blocksize}: an expert of {shape[1]} x {shape[2]} weights "
                              f"must hold a multiple of 2 x blocksize, so experts own whole blocks")
         nb = n // cfg.blocksize
-        self.register_buffer("packed", torch.empty(n // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("packed", empty(n // 2, dtype=torch.uint8, device=device))
         if cfg.double_quant:
-            self.register_buffer("absmax_q", torch.empty(nb, dtype=torch.uint8, device=device))
-            self.register_buffer("absmax2", torch.empty(-(-nb // 256), dtype=torch.float32, device=device))
-            self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=device))
+            self.register_buffer("absmax_q", empty(nb, dtype=torch.uint8, device=device))
+            self.register_buffer("absmax2", empty(-(-nb // 256), dtype=torch.float32, device=device))
+            self.register_buffer("offset", empty((), dtype=torch.float32, device=device))
         else:
-            self.register_buffer("absmax", torch.empty(nb, dtype=torch.float32, device=device))
+            self.register_buffer("absmax", empty(nb, dtype=torch.float32, device=device))
+
+    def _apply(self, fn, recurse=True):
+        # model.to(device) must not pull an offloaded stack's homes onto the GPU.
+        return self if self.offloaded else super()._apply(fn, recurse)
 
     @property
     def n_experts(self) -> int:
         return self.shape[0]
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.buffers()).device
+    def stored(self) -> dict[str, Tensor]:
+        """The stored tensors by name (on their home: the compute device, or pinned CPU memory)."""
+        return {k: getattr(self, k) for k in (*self._NF4_NAMES, "weight") if hasattr(self, k)}
 
-    def nf4(self) -> NF4Packed:
-        """The stored NF4 tensors as one object (on the buffers' device)."""
-        return NF4Packed.from_tensors({k: getattr(self, k) for k in self._NF4_NAMES if hasattr(self, k)},
-                                      self.shape, self.blocksize)
+    def nf4(self, phase: str | None = None) -> NF4Packed:
+        """The stored NF4 tensors on the compute device (staged by the stager when offloaded)."""
+        tensors = self.stager.fetch(self, phase) if self.stager is not None else self.stored()
+        return NF4Packed.from_tensors(tensors, self.shape, self.blocksize)
 
     def stored_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        return sum(b.numel() * b.element_size() for b in self.stored().values())
 
     @torch.no_grad()
     def load_weights(self, w: Tensor) -> None:
@@ -105,26 +116,26 @@ class FrozenStack(nn.Module):
                                                      device=generator.device) * std)
 
     def _fill(self, chunk_of: Callable[[int, int], Tensor]) -> None:
-        """Store experts chunk by chunk: never the whole stack in fp32 at once. Experts own whole
-        blocks, so the bytes equal quantizing the whole stack in one go."""
+        """Store experts chunk by chunk, quantized on the compute device: never the whole stack in fp32
+        at once. Experts own whole blocks, so the bytes equal quantizing the whole stack in one go."""
         per = math.prod(self.shape[1:])
         step = max(1, _INIT_CHUNK // per)
-        device = self.device
         absmax = None
         if self.quant == "nf4":
-            absmax = self.absmax if hasattr(self, "absmax") else torch.empty(self.absmax_q.shape, device=device)
+            absmax = self.absmax if hasattr(self, "absmax") else torch.empty(self.absmax_q.shape,
+                                                                              device=self.absmax_q.device)
         half, blocks = per // 2, per // self.blocksize
         for first in range(0, self.n_experts, step):
             count = min(step, self.n_experts - first)
-            chunk = chunk_of(first, count).float().to(device)
+            chunk = chunk_of(first, count).float().to(self.compute_device)
             if self.quant == "none":
                 self.weight[first:first + count] = chunk.to(torch.bfloat16)
                 continue
             q = quantize_nf4(chunk, self.blocksize)
-            self.packed[first * half:(first + count) * half] = q.packed
-            absmax[first * blocks:(first + count) * blocks] = q.absmax
+            self.packed[first * half:(first + count) * half] = q.packed.to(self.packed.device)
+            absmax[first * blocks:(first + count) * blocks] = q.absmax.to(absmax.device)
         if self.quant == "nf4" and not hasattr(self, "absmax"):  # double quantization: once, over the stack
-            for key, t in double_quantize_absmax(absmax).items():
+            for key, t in double_quantize_absmax(absmax.to(self.compute_device)).items():
                 getattr(self, key).copy_(t)
 
     def dequantize(self, dtype: torch.dtype, experts: Tensor | None = None, phase: str | None = None) -> Tensor:
@@ -134,7 +145,7 @@ class FrozenStack(nn.Module):
         if self.quant == "none":
             w = self.weight if experts is None else self.weight.index_select(0, experts)
             return w.to(dtype)
-        q = self.nf4()
+        q = self.nf4(phase)
         if experts is None:
             return dequantize_nf4(q, dtype, backend=self.backend)
         return dequantize_rows(q, experts, dtype, backend=self.backend)
@@ -249,7 +260,7 @@ class FrozenExpertStack(nn.Module):
     def reset_parameters(self, std: float, down_std: float) -> None:
         """Random frozen weights (unless built to be loaded) and fresh adapters: A ~ N(0, 1/r), B = 0."""
         if self.initialise:
-            g = torch.Generator(self.gate_up.device)
+            g = torch.Generator(self.gate_up.compute_device)
             g.manual_seed(int(torch.randint(2**62, (1,))))  # from the global seed: the same run, the same stacks
             self.gate_up.init_random(std, g)
             self.down.init_random(down_std, g)

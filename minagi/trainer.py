@@ -44,6 +44,7 @@ from .diagnostics import RoutingMeter, StepCounts, step_counts
 from .model import CharLM, build_model
 from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
 from .loading import init_from_checkpoint
+from .offload import OffloadStager, attach_offload
 from .recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
 from .runlog import HISTORY_FIELDS, RunFolder, read_run_info
 
@@ -236,6 +237,7 @@ class Training:
     schedule: Callable[[int], float]
     params: list[Tensor]
     dropout_seed: int | None = None  # model.dropout > 0: the base of each step's seed (train.seed and rank)
+    stager: OffloadStager | None = None  # experts.offload = "cpu"
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
     updating: bool = False
@@ -261,6 +263,14 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
             for module in model.modules():
                 if isinstance(module, FrozenExpertStack):
                     module.pin = policy
+    stager = None
+    if cfg.experts.offload == "cpu":
+        stager = attach_offload(model, device, cfg.experts.prefetch)
+        log(f"offload: {len(stager.rows)} rows of frozen stacks homed in "
+            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory "
+            f"({sum(s.stored_bytes() for s in stacks.values()) / 2**30:.2f} GiB), staged to {device} "
+            f"{'with' if cfg.experts.prefetch else 'without'} prefetch"
+            + ("" if device.type == "cuda" else "; on the CPU this saves no memory"))
     forward = model
     if world_size > 1:
         distributed.install_count_reducers(model)
@@ -270,7 +280,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     forward = torch.compile(forward) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 else None
-    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed)
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
 
 
 def restore_training(training: Training, ckpt: dict) -> None:
@@ -535,8 +545,10 @@ class Trainer:
         # Collectives follow (held-out loss): every rank runs this.
         state, tc = self.state, self.cfg.train
         self.dequants = dequant_summary(self.training.model, state.since)  # training steps' only
+        self.offload = offload_summary(self.training.stager, state.since)
         heldout = evaluate(self.training.model, self.eval_batches, self.device, self.world_size)
         dequant_summary(self.training.model, 1)  # drop the evaluation's
+        offload_summary(self.training.stager, 1)
         if not math.isfinite(heldout):
             raise NonFiniteLossError(f"step {state.step}: held-out loss is not finite ({heldout}); stopped "
                                      f"without saving; {self.folder.kept()}", state.step)
@@ -567,6 +579,7 @@ class Trainer:
             "sinks": sinks,
             "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
             "dequants": self.dequants,
+            "offload": self.offload,
         }
         return {k: record[k] for k in HISTORY_FIELDS}
 
@@ -585,6 +598,15 @@ class Trainer:
             self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.corpus, self.run_name))
         self.say(f"interrupted: saved {self.folder.last} at step {state.step}; "
                  f"continue with --resume {self.folder.path}")
+
+
+def offload_summary(stager: OffloadStager | None, steps: int) -> dict | None:
+    """H2D bytes and the milliseconds compute waited for copies, per step; the slots' bytes."""
+    if stager is None:
+        return None
+    s = stager.take_stats()
+    return {"h2d_bytes_per_step": s["h2d_bytes"] / max(1, steps), "h2d_exposed_ms_per_step":
+            s["h2d_exposed_ms"] / max(1, steps), "resident_expert_bytes": s["resident_bytes"]}
 
 
 def _fmt_bytes(n: int | None) -> str:

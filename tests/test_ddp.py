@@ -250,3 +250,18 @@ def test_train_refuses_several_ranks_without_a_process_group(tmp_path):
     cfg = load_config(str(s.profile), [f"data.path={s.data}"])
     with pytest.raises(distributed.LaunchError, match="launch with torchrun"):
         trainer.train(cfg, "tiny", rank=0, world_size=2, progress=False, log=lambda msg: None)
+
+
+def test_two_ranks_with_offloaded_frozen_experts_and_row_checkpointing_give_the_one_process_losses(tmp_path):
+    # Frozen NF4 stacks homed on the CPU, staged per row, LoRA on them, every row recomputed in
+    # backward with the replay pin: the frozen buffers are left out of DDP (each rank has its own copy).
+    s = Setup(tmp_path)
+    sets = ("experts.frozen=true", "experts.blocksize=32", "experts.lora_rank=8", "experts.offload=cpu",
+            "experts.replay_pin=on", "train.checkpoint_rows=true", "train.steps=3", "train.eval_every=3")
+    ref = s.one_process(*sets, run_name="one")
+    r0, r1, _ = s.torchrun("offload", "--profile", str(s.profile), "--data", str(s.data), "--run-name", "two",
+                           *[arg for item in sets for arg in ("--set", item)])
+    assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(ref.losses, rel=RTOL)
+    lora = "rows.0.mlp.experts.lora_gate_up_b"
+    assert torch.equal(r0["state"][lora], r1["state"][lora]) and r0["state"][lora].abs().sum() > 0
+    assert torch.equal(r0["state"]["rows.0.mlp.experts.gate_up.packed"], r1["state"]["rows.0.mlp.experts.gate_up.packed"])

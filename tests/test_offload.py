@@ -1,0 +1,130 @@
+"""minagi.offload: frozen stacks homed on the CPU and staged per row give the resident model's bits,
+keep one row (two with prefetch) in their slots, load and save both ways."""
+import pytest
+import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
+
+from minagi.config import ConfigError, ExpertsConfig, ModelConfig, PoolConfig, load_config
+from minagi.frozen import FrozenExpertStack, frozen_stacks
+from minagi.model import build_model
+from minagi.offload import attach_offload
+from minagi.recompute import PinPolicy, apply_row_checkpointing
+
+CFG = ModelConfig(n_rows=3, d_model=32, n_heads=2, context=16)
+POOL = PoolConfig(n_experts=4, top_k=2, d_expert=32)
+RESIDENT = ExpertsConfig(frozen=True, blocksize=32, lora_rank=8)
+OFFLOADED = ExpertsConfig(frozen=True, blocksize=32, lora_rank=8, offload="cpu")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def build(experts, device="cpu", path="grouped", prefetch=True):
+    torch.manual_seed(0)
+    model = build_model(CFG, PoolConfig(**{**POOL.__dict__, "dispatch": path}), 11, device, experts=experts)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    stager = attach_offload(model, device, prefetch) if experts.offload == "cpu" else None
+    return model, stager
+
+
+def steps(model, n=2, checkpointed=False, device="cpu"):
+    """Losses and gradients of `n` forward + backward passes on fixed batches."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        x, y = (torch.randint(0, 11, (2, 16), generator=g).to(device) for _ in range(2))
+        model.zero_grad()
+        with set_checkpoint_early_stop(False):
+            res = model(x, y)
+            (res.loss + res.aux_loss).backward()
+        out.append((res.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return out
+
+
+def assert_same(a, b):
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(a, b):
+        assert torch.equal(loss_a, loss_b)
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "native"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_offloaded_stacks_give_the_resident_losses_and_gradients(path, prefetch):
+    resident, _ = build(RESIDENT, path=path)
+    offloaded, stager = build(OFFLOADED, path=path, prefetch=prefetch)
+    assert all(s.packed.device.type == "cpu" for s in frozen_stacks(offloaded).values())
+    assert_same(steps(offloaded), steps(resident))
+    stats = stager.take_stats()
+    row_bytes = sum(s.stored_bytes() for s in frozen_stacks(offloaded).values()) // CFG.n_rows
+    assert stats["resident_bytes"] == (2 if prefetch else 1) * row_bytes
+    assert stats["h2d_bytes"] >= 2 * 2 * CFG.n_rows * row_bytes // 2  # every row staged forward and backward
+
+
+def test_under_row_checkpointing_with_the_pin_offload_keeps_the_bits():
+    resident, _ = build(RESIDENT)
+    offloaded, _ = build(OFFLOADED)
+    for model in (resident, offloaded):
+        apply_row_checkpointing(model)
+        for m in model.modules():
+            if isinstance(m, FrozenExpertStack):
+                m.pin = PinPolicy("on")
+    assert_same(steps(offloaded), steps(resident))
+
+
+def test_after_a_forward_one_row_is_resident_and_the_next_is_prefetched():
+    model, stager = build(OFFLOADED)
+    single, one_slot = build(OFFLOADED, prefetch=False)
+    x = torch.zeros(1, 16, dtype=torch.long)
+    with torch.no_grad():
+        model(x)
+        single(x)
+    assert stager.slot_row.count(None) == 0 and CFG.n_rows - 1 in stager.slot_row  # the last row and one other
+    assert one_slot.slot_row == [CFG.n_rows - 1]
+
+
+def test_state_dicts_hold_the_cpu_homes_and_load_both_ways():
+    offloaded, _ = build(OFFLOADED)
+    state = offloaded.state_dict()
+    packed = state["rows.0.mlp.experts.gate_up.packed"]
+    assert packed.device.type == "cpu" and packed.numel() == 4 * 32 * 64 // 2 and packed.any()
+    resident, _ = build(RESIDENT)
+    with torch.no_grad():
+        for p in resident.parameters():
+            p.zero_()
+    resident.load_state_dict(state)   # offloaded -> resident
+    back, _ = build(OFFLOADED)
+    back.load_state_dict(resident.state_dict())  # resident -> offloaded
+    x = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = offloaded(x).logits
+        assert torch.equal(resident(x).logits, want) and torch.equal(back(x).logits, want)
+
+
+def test_offload_without_frozen_experts_is_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"experts\.offload = \"cpu\" is impossible: only frozen experts can be "
+                                          r"offloaded: set experts\.frozen = true"):
+        load_config(None, ["experts.offload=cpu"])
+    model = build_model(CFG, POOL, 11, "cpu")
+    with pytest.raises(ValueError, match="found no offloaded frozen stacks"):
+        attach_offload(model, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_on_the_gpu_offload_matches_resident_and_allocates_no_more_over_steps(prefetch):
+    resident, _ = build(RESIDENT, "cuda", path="native")
+    offloaded, stager = build(OFFLOADED, "cuda", path="native", prefetch=prefetch)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = steps(resident, 2, device="cuda")
+        got = steps(offloaded, 2, device="cuda")
+        assert_same(got, want)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        steps(offloaded, 3, device="cuda")
+        torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+    assert stager.take_stats()["h2d_bytes"] > 0
