@@ -16,6 +16,7 @@ dequant is counted by phase (forward / replay / backward) in the stack's `Dequan
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -35,16 +36,39 @@ _INIT_CHUNK = 1 << 24  # weights drawn and quantized per pass when a stack is in
 
 
 class DequantStats:
-    """Dequants of one stack since the last `take`, by phase; `pinned`: replays that kept theirs."""
+    """Dequants of one stack since the last `take`, by phase; `pinned`: replays that kept theirs.
+    With `timing` on (benchmarks), each dequant's GPU time is taken with CUDA events: `ms`."""
 
     def __init__(self) -> None:
+        self.timing = False
         self.take()
 
     def take(self) -> dict:
         out = dict(getattr(self, "counts", {}), pinned=getattr(self, "pinned", 0))
+        events = getattr(self, "events", [])
+        if events:
+            events[-1][1].synchronize()
+            out["ms"] = sum(a.elapsed_time(b) for a, b in events)
         self.counts = dict.fromkeys(PHASES, 0)
-        self.pinned = 0
+        self.pinned, self.events = 0, []
         return out
+
+    def timed(self, device: torch.device):
+        """A context that times the dequant inside it when `timing` is on."""
+        return _Timed(self.events, device) if self.timing and device.type == "cuda" else contextlib.nullcontext()
+
+
+class _Timed:
+    def __init__(self, events: list, device: torch.device):
+        self.events, self.device = events, device
+
+    def __enter__(self):
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.start.record(torch.cuda.current_stream(self.device))
+
+    def __exit__(self, *exc):
+        self.end.record(torch.cuda.current_stream(self.device))
+        self.events.append((self.start, self.end))
 
 
 class FrozenStack(nn.Module):
@@ -89,6 +113,10 @@ class FrozenStack(nn.Module):
     @property
     def n_experts(self) -> int:
         return self.shape[0]
+
+    def stack_numel(self) -> int:
+        """Weights the stack stands for (E x I x O)."""
+        return math.prod(self.shape)
 
     def stored(self) -> dict[str, Tensor]:
         """The stored tensors by name (on their home: the compute device, or pinned CPU memory)."""
@@ -146,9 +174,10 @@ class FrozenStack(nn.Module):
             w = self.weight if experts is None else self.weight.index_select(0, experts)
             return w.to(dtype)
         q = self.nf4(phase)
-        if experts is None:
-            return dequantize_nf4(q, dtype, backend=self.backend)
-        return dequantize_rows(q, experts, dtype, backend=self.backend)
+        with self.stats.timed(self.compute_device):
+            if experts is None:
+                return dequantize_nf4(q, dtype, backend=self.backend)
+            return dequantize_rows(q, experts, dtype, backend=self.backend)
 
 
 def _phase() -> tuple[str, recompute.RowMemo | None]:
@@ -309,5 +338,5 @@ def dequant_summary(model: nn.Module, steps: int) -> dict | None:
     totals = dict.fromkeys((*PHASES, "pinned"), 0)
     for stack in stacks.values():
         for key, n in stack.stats.take().items():
-            totals[key] += n
+            totals[key] = totals.get(key, 0) + n  # "ms" only when timed
     return {**{k: v / max(1, steps) for k, v in totals.items()}, "stacks": len(stacks)}

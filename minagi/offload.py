@@ -42,6 +42,7 @@ class OffloadStager:
         self.copied = [self._event(), self._event()]  # the slot's copy is done
         self.read = [self._event(), self._event()]    # the compute stream is done with the slot
         self.bytes_copied, self.waits = 0, []
+        self.timing, self.copies = False, []  # timing (benchmarks): each row copy's events on the copy stream
 
     def _event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing) if self.device.type == "cuda" else None
@@ -71,8 +72,15 @@ class OffloadStager:
             self.read[slot].record(current)  # reads of the evicted row queued so far
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.read[slot])
+                start = self._event(timing=True) if self.timing else None
+                if start is not None:
+                    start.record(self.copy_stream)
                 self._copy(row, slot)
                 self.copied[slot].record(self.copy_stream)
+                if start is not None:
+                    end = self._event(timing=True)
+                    end.record(self.copy_stream)
+                    self.copies.append((start, end))
         else:
             self._copy(row, slot)
         self.slot_row[slot] = row
@@ -104,7 +112,10 @@ class OffloadStager:
             self.waits[-1][1].synchronize()
         waited = sum(a.elapsed_time(b) for a, b in self.waits)
         out = {"h2d_bytes": self.bytes_copied, "h2d_exposed_ms": waited, "resident_bytes": self.resident_bytes}
-        self.bytes_copied, self.waits = 0, []
+        if self.copies:
+            self.copies[-1][1].synchronize()
+            out["h2d_copy_ms"] = sum(a.elapsed_time(b) for a, b in self.copies)
+        self.bytes_copied, self.waits, self.copies = 0, [], []
         return out
 
 
