@@ -36,18 +36,18 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
 
 def swiglu(h: Tensor, gate: Tensor, fused: bool = True) -> Tensor:
     """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls (unless `fused` is
-    False), else eager ops."""
+    False), else eager ops. Inside torch.compile the kernels run as the custom op `minagi::swiglu`,
+    so a compiled model keeps their one-pass backward."""
     if not (fused and _use_kernels(h)):
         return swiglu_eager(h, gate)
     lead = h.shape[:-1]
-    act = _SwiGLU.apply(h.reshape(-1, h.shape[-1]), gate.reshape(-1))  # [rows, F]
+    h_RF2, gate_R = h.reshape(-1, h.shape[-1]), gate.reshape(-1)
+    act = _swiglu_op(h_RF2, gate_R) if torch.compiler.is_compiling() else _SwiGLU.apply(h_RF2, gate_R)  # [rows, F]
     return act.view(*lead, act.shape[-1])  # not -1: ambiguous when there are no rows
 
 
 def _use_kernels(h: Tensor) -> bool:
     if not (h.is_cuda and h.requires_grad and _KERNELS_TESTED_HERE):
-        return False
-    if torch.compiler.is_compiling():  # inside a compiled model, inductor fuses the eager ops
         return False
     return _capable(h.device.index)  # a CUDA tensor's device always has an index
 
@@ -81,3 +81,38 @@ def _kernels():
         from . import swiglu_triton
         _KERNELS = swiglu_triton
     return _KERNELS
+
+
+# The same kernels as custom ops, for compiled models (torch.compile traces through neither a
+# Triton launch nor an autograd Function's backward; an op with a fake and an autograd formula it can).
+
+@torch.library.custom_op("minagi::swiglu", mutates_args=())
+def _swiglu_op(h_RF2: Tensor, gate_R: Tensor) -> Tensor:
+    return _kernels().forward(h_RF2.contiguous(), gate_R.contiguous())
+
+
+@_swiglu_op.register_fake
+def _(h_RF2: Tensor, gate_R: Tensor) -> Tensor:
+    return h_RF2.new_empty(h_RF2.shape[0], h_RF2.shape[1] // 2)
+
+
+@torch.library.custom_op("minagi::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor) -> tuple[Tensor, Tensor]:
+    return _kernels().backward(h_RF2.contiguous(), gate_R.contiguous(), grad_RF.contiguous())
+
+
+@_swiglu_backward_op.register_fake
+def _(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(h_RF2), torch.empty_like(gate_R)
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _op_backward(ctx, grad_RF: Tensor):
+    h_RF2, gate_R = ctx.saved_tensors
+    return _swiglu_backward_op(h_RF2, gate_R, grad_RF)
+
+
+_swiglu_op.register_autograd(_op_backward, setup_context=_op_setup)

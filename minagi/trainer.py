@@ -518,6 +518,8 @@ class Trainer:
         t0 = time.perf_counter()
         x, y = get_batch(self.corpus.train_ids, tc.batch_size, mc.context, tc.seed, state.step, self.rank,
                          self.world_size)
+        if self.device.type == "cuda":  # pinned: the copy is asynchronous (pageable memory would sync)
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # [b, T]
         try:
             stats = train_step(self.training, x, y, step=state.step, grad_clip=tc.grad_clip,

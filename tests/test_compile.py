@@ -1,0 +1,66 @@
+"""train.compile: a compiled training step computes what the eager one does; on the GPU's native path
+routing that changes from step to step recompiles nothing, and the SwiGLU kernels stay in."""
+import pytest
+import torch
+
+from minagi.config import load_config
+from minagi.trainer import build_training, train_step
+
+TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "model.context=16", "pool.n_experts=4",
+        "pool.top_k=2", "pool.d_expert=32", "train.batch_size=4", "train.steps=20", "train.warmup_steps=2"]
+
+
+def losses(sets, device, steps=3, compile_backend=None):
+    cfg = load_config(None, TINY + [f"train.device={device}", *sets])
+    training = build_training(cfg, 13, torch.device(device), 1)
+    if compile_backend is not None:
+        training.forward = torch.compile(training.model, backend=compile_backend)
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)  # new characters each step: new routing
+        x, y = (torch.randint(0, 13, (4, 16), generator=g).to(device) for _ in range(2))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            out.append(train_step(training, x, y, step=step, grad_clip=1.0, world_size=1,
+                                  device=torch.device(device)).ce)
+        training.updating = False
+    return out
+
+
+@pytest.mark.parametrize("sets", [[], ["model.mlp=dense"], ["model.dropout=0.0", "pool.capacity_factor=1.0"]],
+                         ids=["pooled", "dense", "capacity"])
+def test_a_compiled_step_computes_what_the_eager_step_does_on_the_cpu(sets):
+    torch._dynamo.reset()
+    eager = losses(sets, "cpu")
+    compiled = losses(sets, "cpu", compile_backend="aot_eager")
+    torch._dynamo.reset()
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_native_path_compiles_once_whatever_the_routing_and_keeps_the_swiglu_kernels(monkeypatch):
+    from minagi import swiglu
+    kernels, calls = swiglu._kernels(), {"forward": 0, "backward": 0}
+
+    class Counting:
+        def forward(self, *args):
+            calls["forward"] += 1
+            return kernels.forward(*args)
+
+        def backward(self, *args):
+            calls["backward"] += 1
+            return kernels.backward(*args)
+    monkeypatch.setattr(swiglu, "_KERNELS", Counting())
+    native = ["pool.dispatch=native"]
+    eager = losses(native, "cuda", steps=6)
+    graphs = {}
+    for steps in (1, 6):
+        torch._dynamo.reset()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        calls.update(forward=0, backward=0)
+        compiled = losses(native, "cuda", steps=steps, compile_backend="inductor")
+        graphs[steps] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    torch._dynamo.reset()
+    assert compiled == pytest.approx(eager, rel=2e-2)
+    assert graphs[6] == graphs[1]  # five more steps of new routing: no recompile
+    assert calls["forward"] == calls["backward"] == 6 * 2  # two rows a step, through the custom op

@@ -1,0 +1,198 @@
+"""Training throughput and MFU of profiles, side by side in one run, beside the matmul rate measured there.
+
+    python tools/bench_train.py --profiles h200 cuda_small --compile off on --steps 60
+    python tools/bench_train.py --profiles h200 --compile on --trace            # + where the step's time goes
+    python tools/bench_train.py --device cpu --profiles cpu_tiny --steps 3 --warmup 1   # a smoke run
+
+MFU = model FLOPs per character x characters per second / the bf16 matmul rate (an 8192^3 product
+timed in the same run). Model FLOPs per character (nanoGPT's convention): 6 x the parameters a
+character uses (attention, router, its top_k experts or the dense MLP, the head; not the embedding
+lookup) + 12 x rows x width x context for attention. Recomputation under row checkpointing is not
+counted: it is work the model does not need. Per profile and compile setting: char/s and MFU over
+`--steps` steps after `--warmup` (random characters), host syncs per step (counted by
+torch.cuda.set_sync_debug_mode over one step), recompiles over the measured steps, peak allocated;
+with --trace, the GPU time of one step by kind of kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minagi.config import load_config  # noqa: E402
+from minagi.trainer import build_training, train_step  # noqa: E402
+
+VOCAB = 96
+KINDS = (  # kernel name fragments -> what the time is spent on (first match wins)
+    ("grouped GEMM (experts)", ("grouped", "cutlass3x", "_grouped_mm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("dense GEMM", ("gemm", "sm90_xmma", "cublas", "nvjet", "cutlass")),
+    ("SwiGLU (Triton)", ("_forward_kernel", "_backward_kernel")),
+    ("optimizer", ("multi_tensor", "adam", "foreach", "fused_")),
+    ("gathers / scatter / sort", ("index", "gather", "scatter", "sort", "searchsorted", "radix", "cub")),
+    ("reductions", ("reduce", "norm", "softmax", "logsumexp", "sum")),
+    ("copies / casts", ("copy", "cat", "to_copy", "memcpy", "memset", "fill")),
+)
+
+
+def flops_per_char(cfg) -> float:
+    m, p = cfg.model, cfg.pool
+    per_row = 4 * m.d_model ** 2
+    if m.mlp == "dense":
+        per_row += 3 * m.d_model * cfg.dense_width
+    else:
+        per_row += m.d_model * p.n_experts + p.top_k * 3 * m.d_model * p.d_expert
+    params = m.n_rows * per_row + m.d_model * VOCAB
+    return 6 * params + 12 * m.n_rows * m.d_model * m.context
+
+
+def matmul_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * 8192 ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def syncs_in(fn) -> int:
+    """Host syncs torch reports (set_sync_debug_mode "warn") while fn runs."""
+    if not torch.cuda.is_available():
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def kernel_time_by_kind(fn, device: torch.device) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if not us:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in KINDS if any(f in name for f in frags)), "other elementwise")
+        totals[kind] = totals.get(kind, 0.0) + us / 1e3
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None) -> dict:
+    cfg = load_config(profile, [f"train.compile={'true' if compile_on else 'false'}", f"train.device={device.type}",
+                                f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=1", *args.sets])
+    training = build_training(cfg, VOCAB, device, 1)
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (cfg.train.batch_size, cfg.model.context)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    step = [0]
+
+    def one():
+        x = torch.randint(0, VOCAB, shape, device=device, generator=g)
+        y = torch.randint(0, VOCAB, shape, device=device, generator=g)
+        with autocast:
+            train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1, device=device)
+        training.updating = False
+        step[0] += 1
+
+    for _ in range(args.warmup):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    out = {"profile": profile, "compile": compile_on, "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
+           "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg) / 1e9,
+           "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
+           "syncs_per_step": syncs_in(one)}
+    if rate:
+        out["mfu"] = flops_per_char(cfg) * out["chars_per_s"] / (rate * 1e12)
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.trace:
+            out["gpu_ms_by_kind"] = kernel_time_by_kind(one, device)
+    del training
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", nargs="+", default=["h200"])
+    ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"])
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--trace", action="store_true", help="also the GPU time of one step by kind of kernel")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    rate = matmul_tflops(device)
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "matmul_tflops": rate}
+    print(json.dumps(meta), flush=True)
+    results = []
+    for profile in args.profiles:
+        for mode in args.compile:
+            try:
+                results.append(run(profile, mode == "on", args, device, rate))
+            except torch.OutOfMemoryError as e:
+                results.append({"profile": profile, "compile": mode == "on", "error": str(e).splitlines()[0]})
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print("| profile | compile | char/s | step ms | GFLOP/char | MFU | syncs/step | recompiles | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['profile']} | {r['compile']} | {r['error']} |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+        peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
+        print(f"| {r['profile']} | {'on' if r['compile'] else 'off'} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
+              f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} |")
+    for r in results:
+        if r.get("gpu_ms_by_kind"):
+            print(f"\n{r['profile']} compile={r['compile']}: GPU ms of one step by kind")
+            for kind, ms in r["gpu_ms_by_kind"]:
+                print(f"  {kind:<28} {ms:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
