@@ -240,8 +240,10 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0  # 0 = off
     eval_every: int = 100  # held-out eval + history record + checkpoint every N steps
     eval_batches: int = 8
+    early_stop_evals: int = 0  # > 0: stop when this many evaluations in a row did not beat the best held-out loss
     seed: int = 1337
     compile: bool = False
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"  # torch.compile's
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
@@ -252,7 +254,7 @@ class TrainConfig(_Section):
         self._positive("lr")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be between 0 and 1")
-        self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "seed")
+        self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "seed", "early_stop_evals")
         _require(self.warmup_steps <= self.steps, "train.warmup_steps", self.warmup_steps,
                  f"warmup_steps must be <= steps ({self.steps})")
         for name in ("beta1", "beta2"):
@@ -351,6 +353,8 @@ _TOP_LEVEL_EXTRA = ("description",)  # allowed beside the sections; not part of 
 # the run folder describe a run that never happened.
 RESUMABLE_KEYS = (
     "train.steps",      # extending a run
+    "train.compile",    # the same model through compiled kernels
+    "train.compile_mode",
     "pool.sink_ratio",  # reporting only: which loads the diagnostics call sinks
     "pool.swiglu",      # the same function through other kernels
     "data.path",        # where the corpus is now: its content must be the run's (checked on resume)

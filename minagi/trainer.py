@@ -72,6 +72,7 @@ class TrainResult:
     heldout_bpc: float | None = None
     best_heldout_loss: float = math.inf
     interrupted: bool = False         # Ctrl-C: last.pt holds `step`
+    stopped_early: bool = False       # train.early_stop_evals: the held-out loss stopped improving
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -192,6 +193,7 @@ class TrainState:
     norm_sum: float = 0.0
     since: int = 0          # steps since the last record
     wall_s: float = 0.0     # training seconds since the run began, summed over resumes
+    evals_since_best: int = 0  # evaluations since the best held-out loss (train.early_stop_evals)
     routing: RoutingMeter = field(default_factory=RoutingMeter)
 
     def add_step(self, ce: float, aux: float, gnorm: float, seconds: float, counts: StepCounts | None) -> None:
@@ -211,14 +213,14 @@ class TrainState:
     def meter(self) -> dict:
         return {"loss_sum": self.loss_sum, "aux_sum": self.aux_sum, "norm_sum": self.norm_sum,
                 "since": self.since, "wall_s": self.wall_s, "eval_due": self.eval_due,
-                "routing": self.routing.state_dict()}
+                "evals_since_best": self.evals_since_best, "routing": self.routing.state_dict()}
 
     @classmethod
     def from_checkpoint(cls, ckpt: dict, device: torch.device) -> "TrainState":
         m = ckpt["meter"]
         state = cls(step=ckpt["step"], best=ckpt["best_heldout_loss"], eval_due=m.get("eval_due", False),
                     loss_sum=m["loss_sum"], aux_sum=m["aux_sum"], norm_sum=m["norm_sum"], since=m["since"],
-                    wall_s=m["wall_s"])
+                    wall_s=m["wall_s"], evals_since_best=m.get("evals_since_best", 0))
         state.routing.load_state_dict(m.get("routing", {}), device)  # format 1 kept no routing counters
         return state
 
@@ -277,7 +279,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
         frozen_buffers = [f"{name}.{b}" for name, s in stacks.items() for b, _ in s.named_buffers()]
         forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
-    forward = torch.compile(forward) if tc.compile else forward
+    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 else None
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
@@ -497,7 +499,7 @@ class Trainer:
         self.lr = self._last_lr() if state.eval_due else None
         self.training.model.train()
         try:
-            while state.step < tc.steps or state.eval_due:
+            while (state.step < tc.steps or state.eval_due) and not self._stop_early():
                 if state.eval_due:
                     self._evaluate_and_record()
                 else:
@@ -509,6 +511,16 @@ class Trainer:
             if self.is_main:
                 self.folder.close()
         return result
+
+    def _stop_early(self) -> bool:
+        patience = self.cfg.train.early_stop_evals
+        if self.state.eval_due or not patience or self.state.evals_since_best < patience:
+            return False
+        if not self.result.stopped_early:
+            self.result.stopped_early = True
+            self.say(f"early stop at step {self.state.step}: {patience} evaluations without a better held-out "
+                     f"loss than {self.state.best:.4f}; {self.folder.best} holds the best")
+        return True
 
     def _last_lr(self) -> float:
         return self.training.scheduler.base_lrs[0] * self.training.schedule(self.state.step - 1)
@@ -557,6 +569,7 @@ class Trainer:
         record = self._record(heldout)
         improved = heldout < state.best
         state.best = min(state.best, heldout)
+        state.evals_since_best = 0 if improved else state.evals_since_best + 1
         state.eval_due = False
         self.interval_chars, self.interval_s = 0, 0.0
         result = self.result

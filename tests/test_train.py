@@ -152,6 +152,15 @@ def load_trained_model(path):
     return load_trained(path)[0]
 
 
+def test_early_stop_ends_the_run_once_the_held_out_loss_stops_improving(tmp_path, data_path, monkeypatch):
+    held = iter([3.0, 2.5, 2.6, 2.7, 2.4, 2.0])  # best at the 2nd evaluation, then two without a better one
+    monkeypatch.setattr(trainer, "evaluate", lambda *args, **kwargs: next(held))
+    done = run_tiny(tmp_path, data_path, "train.steps=12", "train.eval_every=2", "train.early_stop_evals=2")
+    assert done.stopped_early and done.step == 8 and done.best_heldout_loss == 2.5
+    assert [r["step"] for r in read_history(done.run_dir / "history.jsonl")] == [2, 4, 6, 8]
+    assert load_checkpoint(done.run_dir / "best.pt")["step"] == 4
+
+
 def test_extending_a_finished_run_with_train_steps_equals_running_longer(tmp_path, data_path):
     # A flat schedule after warmup (min_lr_ratio=1): then the lr does not depend on train.steps and
     # "6 steps, extended to 10" must be the same run as "10 steps". (With a cosine the extension
