@@ -32,11 +32,12 @@ from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
 KINDS = (  # kernel name fragments -> what the time is spent on (first match wins)
-    ("grouped GEMM (experts)", ("grouped", "cutlass3x", "_grouped_mm")),
+    ("grouped GEMM (experts)", ("grouped", "_grouped_mm", "ptr_array", "group")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
     ("dense GEMM", ("gemm", "sm90_xmma", "cublas", "nvjet", "cutlass")),
     ("SwiGLU (Triton)", ("_forward_kernel", "_backward_kernel")),
-    ("optimizer", ("multi_tensor", "adam", "foreach", "fused_")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("compiled elementwise (inductor)", ("triton_poi", "triton_red", "triton_per", "triton_")),
     ("gathers / scatter / sort", ("index", "gather", "scatter", "sort", "searchsorted", "radix", "cub")),
     ("reductions", ("reduce", "norm", "softmax", "logsumexp", "sum")),
     ("copies / casts", ("copy", "cat", "to_copy", "memcpy", "memset", "fill")),
@@ -84,20 +85,35 @@ def syncs_in(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def kernel_time_by_kind(fn, device: torch.device) -> list[tuple[str, float]]:
+def sync_sites(fn) -> list[str]:
+    """Where a step syncs with the host: the Python line of each synchronizing call."""
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def kernel_time_by_kind(fn, device: torch.device) -> tuple[list[tuple[str, float]], list[tuple[str, float, int]]]:
+    """GPU ms of one call by kind of kernel, and the 25 costliest kernels (name, ms, launches)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
     totals: dict[str, float] = {}
+    kernels = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if not us:
+        if not us or e.key.startswith("ProfilerStep"):
             continue
         name = e.key.lower()
         kind = next((k for k, frags in KINDS if any(f in name for f in frags)), "other elementwise")
         totals[kind] = totals.get(kind, 0.0) + us / 1e3
-    return sorted(totals.items(), key=lambda kv: -kv[1])
+        kernels.append((e.key[:90], us / 1e3, e.count))
+    return sorted(totals.items(), key=lambda kv: -kv[1]), sorted(kernels, key=lambda k: -k[1])[:25]
 
 
 def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None) -> dict:
@@ -139,7 +155,9 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.trace:
-            out["gpu_ms_by_kind"] = kernel_time_by_kind(one, device)
+            out["gpu_ms_by_kind"], out["top_kernels"] = kernel_time_by_kind(one, device)
+        if args.sync_trace:
+            out["sync_sites"] = sync_sites(one)
     del training
     gc.collect()
     torch._dynamo.reset()
@@ -156,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--trace", action="store_true", help="also the GPU time of one step by kind of kernel")
+    ap.add_argument("--sync-trace", action="store_true", help="also where each host sync of a step comes from")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -190,7 +209,11 @@ def main(argv=None) -> int:
         if r.get("gpu_ms_by_kind"):
             print(f"\n{r['profile']} compile={r['compile']}: GPU ms of one step by kind")
             for kind, ms in r["gpu_ms_by_kind"]:
-                print(f"  {kind:<28} {ms:8.2f}")
+                print(f"  {kind:<32} {ms:8.2f}")
+            for name, ms, count in r["top_kernels"]:
+                print(f"    {ms:8.2f} ms {count:5d}x  {name}")
+        if r.get("sync_sites"):
+            print(f"{r['profile']} compile={r['compile']}: host syncs at {r['sync_sites']}")
     return 0
 
 
