@@ -10,7 +10,7 @@ The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.s
 MINAGI_REPLAY_PIN overrides experts.replay_pin (1/true/on/yes: on; 0/false/off/no: off; anything else,
 or unset: the profile's setting).
 Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder, 3 the loss became NaN/inf,
-130 Ctrl-C.
+4 out of GPU memory, 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -99,6 +99,11 @@ def absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
+def torch_oom() -> type:
+    import torch
+    return torch.OutOfMemoryError
+
+
 def _report(error: BaseException, ranks: distributed.RankInfo, joined: bool) -> None:
     """One stderr line per error: rank 0 prints it; another rank only an error of its own (before
     the process group is joined, every rank has read the same command line and files)."""
@@ -138,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as e:
         _report(e, ranks, joined)
         return 2
+    except torch_oom() as e:
+        _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); lower "
+                             "train.batch_size or model.context, or turn on train.checkpoint_rows, or keep "
+                             "frozen experts on the CPU with experts.offload = \"cpu\""), ranks, joined)
+        return 4
     except KeyboardInterrupt:
         if ranks.is_main:
             print("interrupted before training began; nothing saved", file=sys.stderr)
