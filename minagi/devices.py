@@ -67,6 +67,8 @@ def apply_memory_cap(cap_gib: float, device: torch.device) -> float | None:
         return None
     if device.type != "cuda":
         raise DeviceError(f"memory.gpu_cap_gib = {cap_gib:g} caps a GPU, but this run trains on {device.type}")
+    if device.index is None:  # "cuda": the current GPU (set_per_process_memory_fraction wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, cap_gib * 2**30 / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
