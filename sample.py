@@ -3,9 +3,13 @@
     python sample.py runs/cpu_tiny-20250101-120000              # the run's best.pt (else last.pt)
     python sample.py runs/my-run/last.pt --prompt "def " --chars 2000 --temperature 0.6 --top-k 20
     python sample.py runs/my-run --temperature 0 --no-echo > greedy.txt
+    python sample.py runs/my-run --streams 64 --chars 1000          # 64 continuations at once, seeds 1337..1400
+    python sample.py runs/my-run --prompts prompts.txt              # one stream per line of the file
 
-stdout: the prompt (unless --no-echo), then exactly --chars characters. stderr: one line about the
-model before, and "wrote N chars in S s (X char/s)" after (generation only, not loading).
+stdout: the prompt (unless --no-echo), then exactly --chars characters. With several streams, each
+stream once all are written: a header line `--- stream I (seed S) ---`, its prompt and text, a newline.
+stderr: one line about the model before, and "wrote N chars in S s (X char/s)" after (generation
+only, not loading; with several streams "wrote B streams x N chars ... (X char/s in all)").
 Exit codes: 0 done (also when a reader such as `head` closes the pipe), 2 bad argument / checkpoint /
 prompt, 130 Ctrl-C (the speed line is still printed for what was written).
 """
@@ -23,6 +27,12 @@ CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run folder is read as, in or
 
 class UsageError(ValueError):
     """A bad argument found after parsing; one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line on stderr and exit 2 (argparse's own prints the usage first)."""
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def _non_negative_int(text: str) -> int:
@@ -53,10 +63,19 @@ def _temperature(text: str) -> float:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a .pt file, or a run folder (its best.pt, else last.pt)")
-    p.add_argument("--prompt", help="text to continue (default: a newline if the vocabulary has one, "
-                                    "else its first character); echoed to stdout unless --no-echo")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="text to continue (default: a newline if the vocabulary has one, "
+                                         "else its first character); echoed to stdout unless --no-echo")
+    prompt.add_argument("--prompts", metavar="FILE",
+                        help="a UTF-8 file of prompts, one per line: one stream each (a line's \\r\\n or \\n "
+                             "ends it and is not part of the prompt)")
+    p.add_argument("--streams", type=_positive_int,
+                   help="continuations written at once (default 1, or one per line of --prompts); "
+                        "stream i uses seed + i and writes what it would alone with that seed")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="capture the one-character step in a CUDA graph: auto = on a CUDA device (default)")
     p.add_argument("--chars", type=_non_negative_int, default=500, help="characters to write (default 500)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=0,
@@ -83,6 +102,45 @@ def resolve_checkpoint(path: str) -> Path:
     return p  # a missing file is load_checkpoint's one-line error, naming it
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a --prompts file, one per line (its line end not included)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"--prompts {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--prompts {path}: cannot read it as UTF-8 text ({e})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":  # the file's last line end
+        lines.pop()
+    prompts = [line[:-1] if line.endswith("\r") else line for line in lines]
+    if not prompts:
+        raise UsageError(f"--prompts {path}: the file holds no prompts")
+    for number, prompt in enumerate(prompts, 1):
+        if not prompt:
+            raise UsageError(f"--prompts {path}: line {number} is empty (every line is a prompt)")
+    return prompts
+
+
+def choose_prompts(args: argparse.Namespace, vocab) -> list[str]:
+    """One prompt per stream; a character outside the vocabulary names its line (VocabError)."""
+    from minagi.data import VocabError
+    from minagi.sampling import default_prompt
+    if args.prompts is None:
+        prompt = default_prompt(vocab) if args.prompt is None else args.prompt
+        return [prompt] * (args.streams or 1)
+    prompts = read_prompts(args.prompts)
+    if args.streams is not None and args.streams != len(prompts):
+        raise UsageError(f"--streams {args.streams} but {args.prompts} holds {len(prompts)} prompts "
+                         f"(one stream per line; leave --streams out)")
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            vocab.encode(prompt)
+        except VocabError as e:
+            raise UsageError(f"--prompts {args.prompts}: line {number}: {e}") from None
+    return prompts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
@@ -90,20 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     from minagi.data import VocabError
     from minagi.devices import DeviceError, choose_device
     from minagi.loading import load_trained
-    from minagi.sampling import SamplingError, default_prompt, generate
+    from minagi.sampling import SamplingError, resolve_graphs, write
     try:
         path = resolve_checkpoint(args.checkpoint)
         device = choose_device(args.device, option="--device")
+        if args.graphs == "on" and device.type != "cuda":
+            raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
+                             f"use --graphs auto or off")
         try:
             model, vocab, payload = load_trained(path, device)
         except VocabError as e:  # a vocabulary string that is not sorted / unique / empty
             raise CheckpointError(f"{path}: not a usable vocabulary ({e})") from None
         step = payload.get("step", "?")
         del payload  # the optimizer state in it is twice the model's size; writing needs none of it
-        prompt = default_prompt(vocab) if args.prompt is None else args.prompt
+        prompts = choose_prompts(args, vocab)
         try:
-            chars = generate(model, vocab, prompt, args.chars, args.temperature, args.top_k, args.seed,
-                             device, window=args.window, keep=args.keep)
+            chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,
+                          window=args.window, keep=args.keep, graphs=args.graphs,
+                          sync_every=1 if len(prompts) == 1 else 16)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None
     except (UsageError, SamplingError, CheckpointError, DeviceError) as e:
@@ -114,8 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     mlp = f"{model.pool_cfg.n_experts} experts" if model.cfg.mlp == "pooled" else "dense"
-    print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, "
-          f"{vocab.size} characters, context {model.cfg.context}, on {device.type}", file=err, flush=True)
+    streams = f", {len(prompts)} streams" if len(prompts) > 1 else ""
+    print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, {vocab.size} characters, context "
+          f"{model.cfg.context}, on {device.type}, graphs {'on' if resolve_graphs(args.graphs, device) else 'off'}"
+          f"{streams}", file=err, flush=True)
+    if len(prompts) == 1:
+        return _stream_one(chars, prompts[0], args, out, err)
+    return _write_many(chars, prompts, args, out, err)
+
+
+def _stream_one(chars, prompt: str, args: argparse.Namespace, out, err) -> int:
+    """One stream: each character to stdout as it is written."""
     written, code = 0, 0
     start = time.perf_counter()  # reset below, after the echo
     try:
@@ -123,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(prompt)
             out.flush()
         start = time.perf_counter()  # generation only: the prefill onwards
-        for char in chars:
+        for (char,) in chars:
             out.write(char)
             out.flush()  # stream: each character appears as it is written
             written += 1
@@ -137,6 +208,32 @@ def main(argv: list[str] | None = None) -> int:
         print(file=err)
     rate = written / seconds if seconds > 0 else 0.0
     print(f"wrote {written} chars in {seconds:.2f} s ({rate:.1f} char/s)", file=err)
+    return code
+
+
+def _write_many(chars, prompts: list[str], args: argparse.Namespace, out, err) -> int:
+    """Several streams: written side by side, then printed one after another under a header line."""
+    texts = [[] for _ in prompts]
+    written, code = 0, 0
+    start = time.perf_counter()
+    try:
+        for row in chars:
+            for text, char in zip(texts, row):
+                text.append(char)
+            written += 1
+    except KeyboardInterrupt:  # print what was written
+        code = 130
+    seconds = time.perf_counter() - start
+    try:
+        for i, (prompt, text) in enumerate(zip(prompts, texts)):
+            echo = "" if args.no_echo else prompt
+            out.write(f"--- stream {i} (seed {args.seed + i}) ---\n{echo}{''.join(text)}\n")
+        out.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return 0
+    rate = written * len(prompts) / seconds if seconds > 0 else 0.0
+    print(f"wrote {len(prompts)} streams x {written} chars in {seconds:.2f} s ({rate:.1f} char/s in all)", file=err)
     return code
 
 

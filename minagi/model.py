@@ -1,5 +1,9 @@
 """The character-level MoE language model: rows of attention + PooledMLP (or the dense twin), and a KV cache.
 
+`KVCache` grows with a Python length (prefill, `generate`'s one-position steps); the static cache
+and the fixed-shape step that writing runs live in minagi/decode.py, on the same weights, RoPE
+(`rope_tables`, `apply_rope`) and modules.
+
 Shape legend: B batch, T positions, D model width, H heads, Dh head width, V vocabulary,
 L cached length, N = B*T characters.
 """

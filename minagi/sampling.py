@@ -1,4 +1,5 @@
-"""Writing text with a trained model: prefill the prompt once, then one position per step on the KV cache.
+"""Writing text with a trained model: the fast path (`write`: B streams, a static cache, CUDA graphs)
+and today's two (`generate`: the growing KV cache, and the readable reference without a cache).
 
 The model only ever sees the last `window` characters (default: the context it was trained on). When
 the cache is full and another character must go in, generation *slides*: a fresh cache is
@@ -8,17 +9,21 @@ one position at a time from there. So every character is predicted from at least
 characters. `keep = window` gives nanoGPT's "crop to the last context characters every step" exactly
 (a full prefill per character); `keep = window - 1` slides by one character every other step.
 
-`use_cache=False` recomputes the whole conditioning sequence each step, sliding at the same points:
-the readable reference the cached path is tested against (same seed -> same characters).
+`generate(use_cache=False)` recomputes the whole conditioning sequence each step, sliding at the
+same points: the readable reference both cached paths are tested against (same seed -> same
+characters). `write` prefills a window's characters but the last and feeds that one to the step
+(minagi/decode.py), which is the same function; streams slide independently.
 
-Sampling happens on the CPU with a `torch.Generator` seeded from `seed`, so a seed names the same
-text whatever the device (up to the device's rounding of the logits). Temperature 0 is greedy argmax.
+Every path picks with `gumbel.pick` on the device the logits are on: greedy argmax at temperature 0,
+else Gumbel-max with noise hashed from (seed, character index), so a seed names the same text
+whichever path writes it and on any device (up to how the device rounds the logits), and a stream
+written among others equals writing it alone with its seed. (Before the fast path, sampling drew
+from a CPU torch.Generator: texts for a given seed at temperature > 0 differ from that version's.)
 
-Shape legend: T positions fed in one call, V vocabulary.
+Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterator
 
@@ -26,10 +31,14 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .devices import autocast
+from .decode import Decoder, inference
+from .gumbel import gumbel_noise, pick, stream_keys
 from .model import CharLM
 
-__all__ = ["SamplingError", "default_keep", "default_prompt", "generate"]
+__all__ = ["GRAPHS", "SamplingError", "default_keep", "default_prompt", "generate", "resolve_graphs", "write"]
+
+GRAPHS = ("auto", "on", "off")
+_NOISE_CHUNK = 64  # characters of noise made at once by `generate`
 
 
 class SamplingError(ValueError):
@@ -46,50 +55,118 @@ def default_keep(window: int) -> int:
     return max(1, window - window // 8)
 
 
-@contextlib.contextmanager
-def _inference(model: CharLM, device: torch.device):
-    """One forward call's settings: eval mode, no autograd, bf16 autocast on CUDA, dropless experts.
+def resolve_graphs(choice: str, device: torch.device) -> bool:
+    """`auto` = CUDA graphs where they run (a CUDA device); `on` elsewhere is an error, never a fallback."""
+    if choice not in GRAPHS:
+        raise SamplingError(f"graphs must be one of {', '.join(GRAPHS)}; got {choice!r}")
+    if choice == "on" and device.type != "cuda":
+        raise SamplingError(f"graphs 'on' needs a CUDA device (CUDA graphs); writing runs on {device.type} "
+                            f"here: use 'auto' or 'off'")
+    return choice == "on" or (choice == "auto" and device.type == "cuda")
 
-    Entered per call, never across a `yield`: thread-local grad mode and module attributes would
-    otherwise leak into the caller's code between two characters.
-    Dropless: with capacity_factor > 0 a character's output would depend on which other characters
-    share the call (a prefill of 60 may drop, a step of 1 never does), so the cache and the
-    recomputation would disagree. Capacity is a training-throughput knob; writing uses none.
+
+def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float, top_k: int,
+           window: int | None, keep: int | None) -> tuple[list[list[int]], int, int]:
+    """(prompt ids, window, keep), or SamplingError / VocabError naming what is wrong."""
+    context = model.cfg.context
+    window = context if window is None else window
+    if not 1 <= window <= context:
+        raise SamplingError(f"window must be 1..{context} (the model's trained context); got {window}")
+    keep = default_keep(window) if keep is None else keep
+    if not 1 <= keep <= window:
+        raise SamplingError(f"keep must be 1..{window} (the window); got {keep}")
+    if n_chars < 0:
+        raise SamplingError(f"the number of characters must be >= 0; got {n_chars}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature}")
+    if top_k < 0:
+        raise SamplingError(f"top_k must be >= 0 (0 = off); got {top_k}")
+    if not prompts:
+        raise SamplingError("no prompts: give one per stream")
+    ids = []
+    for i, prompt in enumerate(prompts):
+        where = f"prompt {i + 1}: " if len(prompts) > 1 else ""
+        if not prompt:
+            raise SamplingError(f"{where}the prompt is empty; give at least one character")
+        try:
+            ids.append([int(c) for c in vocab.encode(prompt)])
+        except VocabError as e:
+            raise VocabError(f"{where}{e}") from None
+    if model.vocab_size != vocab.size:
+        raise VocabError(f"the vocabulary has {vocab.size} characters but the model writes {model.vocab_size}")
+    return ids, window, keep
+
+
+def _model_device(model: CharLM, device: torch.device | str | None) -> torch.device:
+    return next(model.parameters()).device if device is None else torch.device(device)
+
+
+# ------------------------------------------------------------------------------ the fast path
+
+def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float = 0.8,
+          top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
+          window: int | None = None, keep: int | None = None, graphs: str = "auto",
+          sync_every: int = 1) -> Iterator[list[str]]:
+    """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
+    `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)`.
+
+    graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
+    sync_every: steps written between two reads of the characters (the host sync); 1 streams each
+    character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
+    checked here, before the first character is asked for.
     """
-    pools = model.pools()
-    saved = [pool.capacity_factor for pool in pools]
-    was_training = model.training
-    if was_training:  # .eval() walks every module: skip it when there is nothing to change
-        model.eval()
-    for pool in pools:
-        pool.capacity_factor = 0.0
-    try:
-        with torch.inference_mode(), autocast(device):
-            yield
-    finally:
-        for pool, c in zip(pools, saved):
-            pool.capacity_factor = c
-        if was_training:
-            model.train()
+    ids, window, keep = _check(model, vocab, prompts, n_chars, temperature, top_k, window, keep)
+    if sync_every < 1:
+        raise SamplingError(f"sync_every must be >= 1; got {sync_every}")
+    device = _model_device(model, device)
+    use_graphs = resolve_graphs(graphs, device)
+    return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every)
 
+
+def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
+           seed: int, window: int, keep: int, graphs: bool, sync_every: int) -> Iterator[list[str]]:
+    if n_chars == 0:
+        return
+    B = len(ids)
+    decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
+                      graphs=graphs)
+    windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
+    filled = [len(w) for w in windows]              # the same count, kept without reading back
+    decoder.prefill(list(range(B)), windows)
+    pending = 0
+    for written in range(1, n_chars + 1):
+        decoder.advance()
+        pending += 1
+        filled = [n + 1 for n in filled]
+        sliding = [b for b in range(B) if filled[b] > window] if written < n_chars else []
+        rows = []
+        if sliding or pending == sync_every or written == n_chars:
+            rows, pending = decoder.read(), 0
+            for row in rows:
+                for w, char_id in zip(windows, row):
+                    w.append(char_id)
+        if sliding:  # the newest character does not fit: restart on the last `keep`
+            for b in sliding:
+                windows[b], filled[b] = windows[b][-keep:], keep
+            decoder.prefill(sliding, [windows[b] for b in sliding])
+        for row in rows:
+            yield [vocab.chars[c] for c in row]
+
+
+# ------------------------------------------------------------------------------ today's paths
 
 def _last_logits(model: CharLM, ids: list[int], device: torch.device, cache=None) -> Tensor:
     """Logits [V] (fp32, on `device`) for the character after `ids`; appends `ids` to `cache`."""
     idx_1T = torch.tensor([ids], dtype=torch.long, device=device)
-    with _inference(model, device):
+    with inference(model, device):
         logits_1TV = model(idx_1T, cache=cache).logits
     return logits_1TV[0, -1].float()
 
 
-def _pick(logits_V: Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits_V.argmax())
-    logits_V = logits_V.cpu() / temperature
-    if 0 < top_k < logits_V.shape[0]:
-        kth = torch.topk(logits_V, top_k).values[-1]
-        logits_V = logits_V.masked_fill(logits_V < kth, -math.inf)
-    probs_V = torch.softmax(logits_V, dim=-1)
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | None) -> int:
+    """`gumbel.pick` for one stream; the host sync that brings the character back."""
+    chosen = pick(logits_V[None], temperature, top_k, None if noise_V is None else noise_V[None])
+    return int(chosen[0])
 
 
 def generate(model: CharLM, vocab: Vocab, prompt: str, n_chars: int, temperature: float = 0.8,
@@ -104,31 +181,14 @@ def generate(model: CharLM, vocab: Vocab, prompt: str, n_chars: int, temperature
     Arguments are checked here, before the first character is asked for: SamplingError for a bad
     number, VocabError naming prompt characters outside the vocabulary.
     """
-    context = model.cfg.context
-    window = context if window is None else window
-    if not 1 <= window <= context:
-        raise SamplingError(f"window must be 1..{context} (the model's trained context); got {window}")
-    keep = default_keep(window) if keep is None else keep
-    if not 1 <= keep <= window:
-        raise SamplingError(f"keep must be 1..{window} (the window); got {keep}")
-    if n_chars < 0:
-        raise SamplingError(f"the number of characters must be >= 0; got {n_chars}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature}")
-    if top_k < 0:
-        raise SamplingError(f"top_k must be >= 0 (0 = off); got {top_k}")
-    if not prompt:
-        raise SamplingError("the prompt is empty; give at least one character")
-    ids = [int(i) for i in vocab.encode(prompt)]  # VocabError names the characters outside it
-    if model.vocab_size != vocab.size:
-        raise VocabError(f"the vocabulary has {vocab.size} characters but the model writes {model.vocab_size}")
-    device = next(model.parameters()).device if device is None else torch.device(device)
+    (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep)
+    device = _model_device(model, device)
     return _stream(model, vocab, ids, n_chars, temperature, top_k, seed, device, use_cache, window, keep)
 
 
 def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperature: float, top_k: int,
             seed: int, device: torch.device, use_cache: bool, window: int, keep: int) -> Iterator[str]:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    keys_12 = stream_keys([seed], device)
     start = max(0, len(ids) - window)  # the model sees ids[start:], never more than `window` of them
 
     def restart() -> tuple[object, Tensor]:
@@ -136,8 +196,15 @@ def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperatu
         return cache, _last_logits(model, ids[start:], device, cache)
 
     cache, logits_V = restart() if n_chars else (None, None)
+    noise_CV = None
     for written in range(1, n_chars + 1):
-        char_id = _pick(logits_V, temperature, top_k, generator)
+        index = written - 1  # of this character in the stream: its noise
+        if temperature > 0 and index % _NOISE_CHUNK == 0:
+            with torch.inference_mode():
+                counts_C = torch.arange(index, index + _NOISE_CHUNK, device=device)
+                noise_CV = gumbel_noise(keys_12, counts_C, model.vocab_size)[:, 0]
+        noise_V = None if noise_CV is None else noise_CV[index % _NOISE_CHUNK]
+        char_id = _pick(logits_V, temperature, top_k, noise_V)
         ids.append(char_id)
         yield vocab.chars[char_id]
         if written == n_chars:

@@ -1,4 +1,5 @@
-"""Sampling: the KV-cache path against full recomputation, sliding, seeds, and the sample.py entry point.
+"""Sampling: today's KV-cache path against full recomputation, sliding, seeds, and the sample.py entry
+point (which writes through the static decode path: tests/test_decode.py holds its equalities).
 
 The checkpoint is a tiny 2-row CPU model (context 16) built and saved with the trainer's payload keys,
 its attention and output weights scaled up so that positions matter and the next-character
@@ -20,7 +21,8 @@ from minagi.config import config_to_dict, load_config
 from minagi.data import Vocab, VocabError
 from minagi.loading import load_trained
 from minagi.model import CharLM, build_model
-from minagi.sampling import SamplingError, default_keep, default_prompt, generate
+from minagi.gumbel import gumbel_noise, pick, stream_keys
+from minagi.sampling import SamplingError, default_keep, default_prompt, generate, write
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXT = 16
@@ -104,13 +106,14 @@ def test_keep_equal_to_window_is_nanogpt_cropping_to_the_last_context_characters
     model, vocab = trained
     prompt, n = "the quick", 40
     ids = list(vocab.encode(prompt))
-    generator = torch.Generator().manual_seed(3)
+    noise_NV = gumbel_noise(stream_keys([3]), torch.arange(n), vocab.size)[:, 0]
     with torch.no_grad():
-        for _ in range(n):  # nanoGPT's sample loop: crop, full forward, sample the last position
+        for i in range(n):  # nanoGPT's sample loop: crop, full forward, sample the last position
             logits = model(torch.tensor([ids[-CONTEXT:]], dtype=torch.long)).logits[0, -1]
-            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+            ids.append(int(pick(logits[None], 1.0, 0, noise_NV[i][None])))  # its multinomial, our noise
     expected = vocab.decode(ids[len(prompt):])
     assert _write(model, vocab, prompt, n, seed=3, keep=CONTEXT) == expected
+    assert "".join(c for (c,) in write(model, vocab, [prompt], n, 1.0, 0, 3, keep=CONTEXT)) == expected
 
 
 def test_cache_is_prefilled_once_then_fed_one_position_per_step_and_reprefilled_with_keep_on_slide(
@@ -313,3 +316,81 @@ def test_sample_py_window_larger_than_the_context_is_one_line_and_exit_2(run_dir
     assert sample_py.main([str(run_dir / "last.pt"), "--window", str(CONTEXT + 1)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: window must be 1..{CONTEXT} (the model's trained context); got {CONTEXT + 1}"]
+
+
+# ------------------------------------------------------------------------------ sample.py: streams, graphs
+
+def _streams_of(stdout: str, n_streams: int, seed: int) -> list[str]:
+    """The texts of sample.py's several-stream output, checking its headers."""
+    texts, rest = [], stdout
+    for i in range(n_streams):
+        header = f"--- stream {i} (seed {seed + i}) ---\n"
+        assert rest.startswith(header), rest[:80]
+        rest = rest[len(header):]
+        end = rest.find("\n--- stream ") if i + 1 < n_streams else len(rest) - 1
+        texts.append(rest[:end])
+        rest = rest[end + 1:]
+    assert rest == ""
+    return texts
+
+
+def test_sample_py_streams_each_equal_writing_alone_with_seed_plus_i(run_dir, trained, capsys):
+    model, vocab = trained
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompt", "the ", "--chars", "30", "--streams", "3",
+                           "--seed", "5", "--top-k", "5"]) == 0
+    out = capsys.readouterr()
+    for i, text in enumerate(_streams_of(out.out, 3, 5)):
+        assert text == "the " + "".join(generate(model, vocab, "the ", 30, 0.8, 5, 5 + i, use_cache=False))
+    assert out.err.strip().splitlines()[-1].startswith("wrote 3 streams x 30 chars in ")
+    assert "char/s in all)" in out.err and ", 3 streams" in out.err and "graphs off" in out.err
+
+
+def test_sample_py_prompts_file_is_one_stream_per_line(run_dir, trained, tmp_path, capsys):
+    model, vocab = trained
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the \r\nTHE END\n0\n", encoding="utf-8")  # \r\n or \n ends a line
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompts", str(prompts), "--chars", "25",
+                           "--temperature", "0", "--no-echo"]) == 0
+    texts = _streams_of(capsys.readouterr().out, 3, 1337)
+    for prompt, text in zip(["the ", "THE END", "0"], texts):
+        assert text == "".join(generate(model, vocab, prompt, 25, 0.0))
+
+
+@pytest.mark.parametrize("lines, says", [
+    (None, "no such file"),
+    ("the\n\nend\n", "line 2 is empty"),
+    ("", "holds no prompts"),
+    ("the\nthe ☃ and é\n", "line 2: "),
+], ids=["missing", "empty-line", "empty-file", "outside-the-vocabulary"])
+def test_sample_py_bad_prompts_file_is_one_line_naming_the_file_and_the_line(run_dir, tmp_path, capsys, lines, says):
+    path = tmp_path / "prompts.txt"
+    if lines is not None:
+        path.write_text(lines, encoding="utf-8")
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompts", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --prompts {path}: ") and says in err[0], err
+    if lines and "☃" in lines:
+        assert "'☃' x1" in err[0] and "'é' x1" in err[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--streams", "0"], "argument --streams: must be >= 1, got 0"),
+    (["--graphs", "on"], "--graphs on needs a CUDA device (CUDA graphs); this run is on cpu"),
+    (["--graphs", "maybe"], "argument --graphs: invalid choice"),
+    (["--prompt", "a", "--prompts", "p.txt"], "not allowed with argument"),
+], ids=["streams-0", "graphs-on-cpu", "graphs-unknown", "prompt-and-prompts"])
+def test_sample_py_bad_stream_or_graph_options_are_one_line_and_exit_2(run_dir, capsys, args, says):
+    try:
+        code = sample_py.main([str(run_dir / "last.pt"), "--device", "cpu", *args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_sample_py_streams_must_match_the_prompts_file(run_dir, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a\nb\n", encoding="utf-8")
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompts", str(path), "--streams", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --streams 3 but {path} holds 2 prompts "
+                                              f"(one stream per line; leave --streams out)")

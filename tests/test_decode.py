@@ -1,0 +1,326 @@
+"""The static decode path (minagi/decode.py, driven by sampling.write) against the uncached reference.
+
+Models are tiny CPU models (context 16) with attention and head weights scaled up so that positions
+matter and the next-character distribution is peaked (as tests/test_sample.py's): a key written at the
+wrong slot, a mask one position off or a slide that kept the wrong characters changes the logits
+well beyond rounding. Each kind of row is covered: pooled experts built for every dispatch path
+(prefill uses it; the step has its own expert path), a capacity factor (writing is dropless), the
+dense twin, and frozen NF4 experts.
+"""
+import pytest
+import torch
+
+from minagi import decode, sampling
+from minagi.config import ExpertsConfig, load_config
+from minagi.data import Vocab
+from minagi.decode import Decoder
+from minagi.model import CharLM, build_model
+from minagi.sampling import generate, write
+
+CONTEXT = 16
+TEXT = "the quick brown fox jumps over the lazy dog.\nTHE END; 0123456789!\n"
+TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
+        "pool.n_experts=4", "pool.top_k=2", "pool.d_expert=32"]
+KINDS = {"grouped": ["pool.dispatch=grouped"], "loop": ["pool.dispatch=loop"],
+         "rectangle": ["pool.dispatch=rectangle"], "native": ["pool.dispatch=native"],
+         "capacity": ["pool.capacity_factor=0.5"], "top1": ["pool.top_k=1"], "dense": ["model.mlp=dense"],
+         "nf4": ["pool.dispatch=grouped"], "nf4-lora": ["pool.dispatch=grouped"]}
+VOCAB = Vocab.from_text(TEXT)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One CPU thread, as tests/test_sample.py (small steps spin badly on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def peaked(model: CharLM) -> CharLM:
+    with torch.no_grad():
+        for row in model.rows:
+            row.attn.qkv.weight.mul_(25)   # sharp attention: positions (RoPE, cache slots) matter
+        model.head.weight.mul_(30)         # logits with a spread of a few nats
+    return model.eval()
+
+
+def make_model(kind: str, device: str = "cpu") -> CharLM:
+    cfg = load_config(None, TINY + KINDS[kind])
+    experts = {"nf4": ExpertsConfig(frozen=True, blocksize=32),
+               "nf4-lora": ExpertsConfig(frozen=True, blocksize=32, lora_rank=8)}.get(kind)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.pool, VOCAB.size, device, dense_width=cfg.dense_width, experts=experts)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name and name.endswith("_b"):  # adapters that change the experts (B starts at 0)
+                p.normal_(std=0.05)
+    return peaked(model)
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def model(request) -> CharLM:
+    return make_model(request.param)
+
+
+def _seen(monkeypatch, module, name: str) -> list[torch.Tensor]:
+    """Record the logits each character is picked from (`module.name` is pick or sampling._pick)."""
+    seen, real = [], getattr(module, name)
+
+    def recording(logits, *args):
+        seen.append(logits.detach().clone().reshape(-1, logits.shape[-1]))
+        return real(logits, *args)
+    monkeypatch.setattr(module, name, recording)
+    return seen
+
+
+def fast(model, prompts, n, **kwargs) -> list[str]:
+    kwargs = {"temperature": 1.0, "top_k": 0, "seed": 7, **kwargs}
+    return ["".join(stream) for stream in zip(*write(model, VOCAB, prompts, n, **kwargs))]
+
+
+def reference(model, prompt, n, **kwargs) -> str:
+    kwargs = {"temperature": 1.0, "top_k": 0, "seed": 7, **kwargs}
+    return "".join(generate(model, VOCAB, prompt, n, use_cache=False, **kwargs))
+
+
+# ------------------------------------------------------------------------------ static == reference
+
+@pytest.mark.parametrize("temperature, window, keep", [(0.0, None, None), (1.0, None, None), (1.0, None, 1),
+                                                      (0.0, None, CONTEXT), (1.0, 1, 1), (0.0, 3, 2)],
+                         ids=["greedy-default-keep", "t1-default-keep", "t1-keep-1", "greedy-keep-window",
+                              "t1-window-1", "greedy-window-3-keep-2"])
+def test_static_decode_equals_the_uncached_reference_in_characters_and_logits_across_slides(
+        model, monkeypatch, temperature, window, keep):
+    n = 45  # prompt 4 + 45 > 16: slides several times at every keep
+    kwargs = {"temperature": temperature, "window": window, "keep": keep}
+    static_logits = _seen(monkeypatch, decode, "pick")
+    (static,) = fast(model, ["the "], n, **kwargs)
+    reference_logits = _seen(monkeypatch, sampling, "_pick")
+    full = reference(model, "the ", n, **kwargs)
+    assert len(static) == n and static == full
+    assert len(static_logits) == len(reference_logits) == n
+    for i, (a, b) in enumerate(zip(static_logits, reference_logits)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"character {i}")
+    # Positions matter in these models: the same text later in the window reads differently.
+    assert window == 1 or not torch.allclose(static_logits[0], static_logits[-1], atol=1e-2)
+
+
+def test_static_decode_equals_todays_cached_path_greedy_for_a_long_prompt(model):
+    prompt = "the quick brown fox jumps over"  # longer than the window: its last 16 characters
+    assert fast(model, [prompt], 40, temperature=0.0) == ["".join(generate(model, VOCAB, prompt, 40, 0.0))]
+
+
+def test_writing_is_dropless_and_leaves_the_model_as_it_found_it():
+    model = make_model("capacity")  # capacity_factor 0.5 in the config: would drop in a prefill
+    model.train()
+    chars = write(model, VOCAB, ["the lazy dog."], 20, 1.0)
+    next(chars)
+    assert model.training and torch.is_grad_enabled()
+    assert all(pool.capacity_factor == 0.5 for pool in model.pools())
+    model.eval()
+    assert fast(model, ["the lazy dog."], 20, seed=1337) == [reference(model, "the lazy dog.", 20, seed=1337)]
+
+
+# ------------------------------------------------------------------------------ streams
+
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_each_stream_equals_writing_it_alone_with_seed_plus_its_index(sync_every):
+    model = make_model("grouped")
+    prompts = ["the ", "a", "the quick brown fox jumps", "the "]  # different lengths: they slide apart
+    streams = fast(model, prompts, 50, top_k=5, sync_every=sync_every)
+    for i, (prompt, text) in enumerate(zip(prompts, streams)):
+        assert text == fast(model, [prompt], 50, top_k=5, seed=7 + i)[0] == reference(model, prompt, 50, top_k=5, seed=7 + i)
+    assert streams[0] != streams[3]  # the same prompt, another seed
+
+
+def test_equal_windows_are_prefilled_once_and_the_last_character_is_left_to_the_step(monkeypatch):
+    model = make_model("grouped")
+    fed = []
+    real_forward = CharLM.forward
+
+    def forward(self, idx_BT, targets_BT=None, cache=None):
+        fed.append(tuple(idx_BT.shape))
+        return real_forward(self, idx_BT, targets_BT, cache)
+    monkeypatch.setattr(CharLM, "forward", forward)
+    # 3 streams of one prompt: one prefill of its first 4 characters; window 8, keep 5: every stream
+    # slides after 4 characters (8 + 1 > 8), all at once, each on its own text (batch 3, 4 characters).
+    list(write(model, VOCAB, ["abcde"] * 3, 6, 1.0, window=8, keep=5))
+    assert fed == [(1, 4), (3, 4)]
+
+
+# ------------------------------------------------------------------------------ the step
+
+def _decoder(model: CharLM, streams: int = 2, temperature: float = 1.0, top_k: int = 3) -> Decoder:
+    decoder = Decoder(model, list(range(streams)), CONTEXT, temperature=temperature, top_k=top_k)
+    decoder.prefill(list(range(streams)), [[1, 2, 3, 4, 5][:i + 1] for i in range(streams)])
+    decoder.advance()  # makes the first noise table: what follows is the step alone
+    return decoder
+
+
+def _static_only(gm, example_inputs):
+    """A torch.compile backend that refuses a graph reading data back: a value whose shape or number
+    depends on tensor data (.item(), int(t), nonzero, boolean indexing, repeat_interleave by a
+    tensor: unbacked symbols) or a copy to the CPU. Each of these syncs the host on a GPU."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if value is not None and free_unbacked_symbols(value):
+            raise AssertionError(f"depends on data: {node.format_node()}")
+        if node.op == "call_method" and node.target in ("cpu", "numpy", "item", "tolist"):
+            raise AssertionError(f"reads back: {node.format_node()}")
+    return gm.forward
+
+
+def _trace_step(decoder: Decoder) -> None:
+    """fullgraph=True also refuses a Python branch on a tensor (data-dependent branching)."""
+    torch._dynamo.reset()
+    step = torch.compile(decoder._step, fullgraph=True, backend=_static_only)
+    with decoder._step_context():
+        step()
+
+
+def test_the_step_traces_as_one_static_graph_with_no_host_sync_and_no_branch_on_data(model):
+    _trace_step(_decoder(model))
+
+
+@pytest.mark.parametrize("bad_pick", [
+    lambda logits, *args: torch.full((logits.shape[0],), int(logits.argmax())),
+    lambda logits, *args: (logits > logits.mean()).nonzero()[:logits.shape[0], 0],
+    lambda logits, *args: logits.argmax(-1) if logits.sum() > 0 else logits.argmin(-1),
+], ids=["int-of-a-tensor", "nonzero", "python-branch"])
+def test_the_graph_check_catches_a_host_sync_or_a_branch_on_data(monkeypatch, bad_pick):
+    decoder = _decoder(make_model("dense"))
+    monkeypatch.setattr(decode, "pick", bad_pick)
+    with pytest.raises(Exception, match="depends on data|Data-dependent"):
+        _trace_step(decoder)
+
+
+def test_the_step_never_reads_a_tensor_back_to_python(model, monkeypatch):
+    decoder = _decoder(model, streams=3)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("the step read a tensor back to Python")
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    with decoder._step_context():
+        for _ in range(CONTEXT - 5):  # up to the last position of the window
+            decoder._step()
+    monkeypatch.undo()
+    assert decoder.pos_B.tolist() == [CONTEXT - 4, CONTEXT - 3, CONTEXT - 2]
+
+
+def test_the_cache_is_written_in_place_at_each_streams_position(model):
+    decoder = _decoder(model, streams=2, temperature=0.0)  # windows [1] and [1, 2]
+    pointers = decoder.k_RBHWd.data_ptr(), decoder.v_RBHWd.data_ptr()
+    for _ in range(6):
+        decoder.advance()
+    assert (decoder.k_RBHWd.data_ptr(), decoder.v_RBHWd.data_ptr()) == pointers
+    rows = decoder.read()
+    assert len(rows) == 7 and decoder.pos_B.tolist() == [7, 8]
+    for b, window in enumerate([[1], [1, 2]]):
+        ids = window + [row[b] for row in rows]
+        n = int(decoder.pos_B[b])  # positions written: the keys of ids[:n]
+        cache = model.new_cache(1, CONTEXT)
+        with decode.inference(model, torch.device("cpu")):  # dropless, as writing
+            model(torch.tensor([ids[:n]]), cache=cache)
+        torch.testing.assert_close(decoder.k_RBHWd[:, b, :, :n], cache.k[:, 0, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decoder.v_RBHWd[:, b, :, :n], cache.v[:, 0, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_graphs_on_without_a_cuda_device_is_an_error_and_auto_is_off():
+    model = make_model("dense")
+    with pytest.raises(sampling.SamplingError, match="graphs 'on' needs a CUDA device"):
+        write(model, VOCAB, ["the"], 5, graphs="on")
+    assert sampling.resolve_graphs("auto", torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        Decoder(model, [0], CONTEXT, graphs=True)
+
+
+def test_bad_arguments_of_write_fail_when_it_is_called():
+    model = make_model("dense")
+    for kwargs, match in [({"prompts": []}, "no prompts"), ({"prompts": ["a", ""]}, "prompt 2: the prompt is empty"),
+                          ({"sync_every": 0}, "sync_every must be >= 1"), ({"graphs": "maybe"}, "graphs must be one of"),
+                          ({"window": CONTEXT + 1}, r"window must be 1\.\.16")]:
+        args = {"prompts": ["the"], "n_chars": 5, **kwargs}
+        with pytest.raises(sampling.SamplingError, match=match):
+            write(model, VOCAB, **args)
+    with pytest.raises(sampling.VocabError, match="prompt 2: .*'☃' x1"):
+        write(model, VOCAB, ["the", "a ☃"], 5)
+    assert list(write(model, VOCAB, ["a"], 0)) == []
+
+
+# ------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _graphed_vs_eager(kind: str, monkeypatch, streams: int):
+    model = make_model(kind, "cuda")
+    out = {}
+    for graphs in ("off", "on"):
+        logits = []
+        real = decode.Decoder.advance
+
+        def advance(self, logits=logits, real=real):
+            real(self)
+            logits.append(self.logits_BV.clone())
+        monkeypatch.setattr(decode.Decoder, "advance", advance)
+        out[graphs] = (fast(model, ["the "] + ["a"] * (streams - 1), 45, temperature=0.0, graphs=graphs), logits)
+        monkeypatch.undo()
+    return model, out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["grouped", "native", "dense", "nf4"])
+def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypatch):
+    _, out = _graphed_vs_eager(kind, monkeypatch, streams=3)
+    (eager, eager_logits), (graphed, graphed_logits) = out["off"], out["on"]
+    assert graphed == eager
+    for i, (a, b) in enumerate(zip(graphed_logits, eager_logits)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=f"character {i}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["grouped", "dense", "nf4"])
+def test_the_step_makes_no_host_sync_on_cuda(kind):
+    model = make_model(kind, "cuda")
+    for graphs in (False, True):
+        decoder = Decoder(model, [0, 1], CONTEXT, temperature=1.0, top_k=3, graphs=graphs)
+        decoder.prefill([0, 1], [[1, 2, 3], [4]])
+        decoder.advance()  # the first noise table is made outside the step
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(8):
+                decoder.advance()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(decoder.read()) == 9
+
+
+@pytest.mark.gpu
+@gpu
+def test_static_decode_on_cuda_follows_the_uncached_reference_within_bf16_rounding(monkeypatch):
+    model = make_model("native", "cuda")
+    static_logits = _seen(monkeypatch, decode, "pick")
+    (static,) = fast(model, ["the "], 45, temperature=0.0)
+    reference_logits = _seen(monkeypatch, sampling, "_pick")
+    full = reference(model, "the ", 45, temperature=0.0)
+    assert static == full
+    for i, (a, b) in enumerate(zip(static_logits, reference_logits)):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2, msg=f"character {i}")
+
+
+def test_rope_step_equals_the_models_rotation_bit_for_bit():
+    from minagi.model import apply_rope, rope_tables
+    torch.manual_seed(0)
+    positions = torch.arange(40)
+    cos, sin = rope_tables(positions, 16, 10000.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x_BHTd = torch.randn(2, 3, 40, 16).to(dtype)
+        expected = apply_rope(x_BHTd, cos, sin)
+        got = decode.rope_step(x_BHTd, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        assert got.dtype == dtype and torch.equal(got, expected)
