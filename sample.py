@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     mlp = f"{model.pool_cfg.n_experts} experts" if model.cfg.mlp == "pooled" else "dense"
     streams = f", {len(prompts)} streams" if len(prompts) > 1 else ""
     print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, {vocab.size} characters, context "
-          f"{model.cfg.context}, on {device.type}, graphs {'on' if resolve_graphs(args.graphs, device) else 'off'}"
+          f"{model.cfg.context}, on {device.type}, graphs {'on' if resolve_graphs(args.graphs, device, model) else 'off'}"
           f"{streams}", file=err, flush=True)
     if len(prompts) == 1:
         return _stream_one(chars, prompts[0], args, out, err)

@@ -55,14 +55,20 @@ def default_keep(window: int) -> int:
     return max(1, window - window // 8)
 
 
-def resolve_graphs(choice: str, device: torch.device) -> bool:
-    """`auto` = CUDA graphs where they run (a CUDA device); `on` elsewhere is an error, never a fallback."""
+def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = None) -> bool:
+    """`auto` = CUDA graphs where they run (a CUDA device, experts not offloaded); `on` where they do
+    not is an error, never a fallback."""
     if choice not in GRAPHS:
         raise SamplingError(f"graphs must be one of {', '.join(GRAPHS)}; got {choice!r}")
     if choice == "on" and device.type != "cuda":
         raise SamplingError(f"graphs 'on' needs a CUDA device (CUDA graphs); writing runs on {device.type} "
                             f"here: use 'auto' or 'off'")
-    return choice == "on" or (choice == "auto" and device.type == "cuda")
+    from .frozen import frozen_stacks
+    staged = model is not None and any(s.stager is not None for s in frozen_stacks(model).values())
+    if choice == "on" and staged:
+        raise SamplingError("graphs 'on': this model's frozen experts are offloaded, staged from the CPU as each "
+                            "row runs, which a CUDA graph cannot replay: use 'auto' or 'off'")
+    return (choice == "on" or (choice == "auto" and device.type == "cuda")) and not staged
 
 
 def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float, top_k: int,
@@ -119,7 +125,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     if sync_every < 1:
         raise SamplingError(f"sync_every must be >= 1; got {sync_every}")
     device = _model_device(model, device)
-    use_graphs = resolve_graphs(graphs, device)
+    use_graphs = resolve_graphs(graphs, device, model)
     return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every)
 
 

@@ -128,3 +128,17 @@ def test_on_the_gpu_offload_matches_resident_and_allocates_no_more_over_steps(pr
         torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before
     assert stager.take_stats()["h2d_bytes"] > 0
+
+
+def test_writing_with_offloaded_experts_keeps_graphs_off_and_equals_the_resident_text():
+    from minagi.data import Vocab
+    from minagi.sampling import SamplingError, resolve_graphs, write
+    offloaded, _ = build(OFFLOADED)
+    resident, _ = build(RESIDENT)
+    assert not resolve_graphs("auto", torch.device("cuda"), offloaded)  # auto: staged per row, no graph
+    with pytest.raises(SamplingError, match="offloaded"):
+        resolve_graphs("on", torch.device("cuda"), offloaded)
+    vocab = Vocab("abcdefghijk")
+    texts = ["".join(c[0] for c in write(m, vocab, ["abc"], 20, temperature=0, graphs="off"))
+             for m in (offloaded, resident)]
+    assert texts[0] == texts[1] and len(texts[0]) == 20
