@@ -9,8 +9,9 @@ Under torchrun every rank runs this file; rank 0 alone prints, shows progress an
 The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
 MINAGI_REPLAY_PIN overrides experts.replay_pin (1/true/on/yes: on; 0/false/off/no: off; anything else,
 or unset: the profile's setting).
-Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder, 3 the loss became NaN/inf,
-4 out of GPU memory, 130 Ctrl-C.
+Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder (a full disk included),
+3 the loss became NaN/inf, 4 out of GPU memory, 130 Ctrl-C. minagi's warnings (a skipped file, a
+fitted warmup) are one stderr line each.
 """
 from __future__ import annotations
 
@@ -18,16 +19,12 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from minagi import devices, distributed
-from minagi.checkpoint import CheckpointError
-from minagi.config import ConfigError, load_config
-from minagi.data import DataError
-from minagi.runlog import RunFolderError
+from minagi.config import ConfigError, load_config  # no torch: a Ctrl-C while torch loads is ours to report
 
-USAGE_ERRORS = (ConfigError, DataError, CheckpointError, RunFolderError, devices.DeviceError,
-                distributed.LaunchError)
+MINAGI_DIR = Path(__file__).resolve().parent / "minagi"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -99,28 +96,59 @@ def absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
-def torch_oom() -> type:
-    import torch
-    return torch.OutOfMemoryError
-
-
-def _report(error: BaseException, ranks: distributed.RankInfo, joined: bool) -> None:
+def _report(error: BaseException, ranks: "distributed.RankInfo", joined: bool) -> None:
     """One stderr line per error: rank 0 prints it; another rank only an error of its own (before
     the process group is joined, every rank has read the same command line and files)."""
+    from minagi import distributed
     if ranks.is_main:
         print(f"error: {error}", file=sys.stderr)
     elif joined and not distributed.is_shared_error(error):
         print(f"error (rank {ranks.rank}): {error}", file=sys.stderr)
 
 
+def _one_line_warnings(is_main: bool):
+    """warnings.showwarning for minagi's own warnings: `warning: <message>` on rank 0, nothing elsewhere
+    (every rank reads the same files); others (torch's) as Python shows them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        path = Path(filename).resolve()
+        if path == Path(__file__).resolve() or MINAGI_DIR in path.parents:
+            if is_main:
+                print(f"warning: {message}", file=sys.stderr)
+            return
+        shown(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            return _main(args, argv)
+    except KeyboardInterrupt:
+        # Before train() took over (importing torch, reading the corpus, building the model): train()
+        # itself reports a Ctrl-C during training, and what it saved.
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted before training began; no checkpoint was written", file=sys.stderr)
+        return 130
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+    from minagi import devices, distributed
+    from minagi.checkpoint import CheckpointError
+    from minagi.data import DataError
+    from minagi.runlog import RunFolderError
+    usage_errors = (ConfigError, DataError, CheckpointError, RunFolderError, devices.DeviceError,
+                    distributed.LaunchError)
     try:
         ranks = distributed.rank_info()  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK; one process without
     except distributed.LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    warnings.showwarning = _one_line_warnings(ranks.is_main)
     joined = False
     try:
         cfg, profile = resolve(args)
@@ -140,18 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                 if ranks.is_main:
                     print(f"error: {e}", file=sys.stderr)
                 return 3
-    except USAGE_ERRORS as e:
+    except usage_errors as e:
         _report(e, ranks, joined)
         return 2
-    except torch_oom() as e:
+    except torch.OutOfMemoryError as e:
         _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); lower "
                              "train.batch_size or model.context, or turn on train.checkpoint_rows, or keep "
                              "frozen experts on the CPU with experts.offload = \"cpu\""), ranks, joined)
         return 4
-    except KeyboardInterrupt:
-        if ranks.is_main:
-            print("interrupted before training began; nothing saved", file=sys.stderr)
-        return 130
     if result.interrupted:
         return 130
     if result.heldout_bpc is not None and ranks.is_main:

@@ -36,11 +36,30 @@ class CheckpointError(ValueError):
 
 
 def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    # torch's weights_only refusal is a paragraph; the line naming the refused object is the useful one.
-    named = [ln for ln in lines if ln.startswith("WeightsUnpickler error")]
-    line = (named or lines or [""])[0]
+    """torch's error as one line, without torch's advice (weights_only=False, allowlisting globals):
+    the advice is for files one trusts, and a minagi checkpoint never needs it."""
+    text = str(e)
+    marker = "WeightsUnpickler error:"
+    if marker in text:  # torch's weights_only refusal: a paragraph, then the refusal itself
+        detail = " ".join(text.split(marker, 1)[1].split())
+        for advice in ("Please use", "Check the documentation", "You can use"):
+            detail = detail.split(advice, 1)[0].strip()
+        return f"{type(e).__name__}: {marker} {detail}".rstrip(": ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = (lines or [""])[0]
     return f"{type(e).__name__}: {line}".rstrip(": ")
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind `e`: torch.save reports a failed write of its file (a full disk) as an opaque
+    RuntimeError ("unexpected pos ...") raised while handling the file's own OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _check_plain(value: Any, where: str, path: str) -> None:
@@ -73,7 +92,13 @@ def save_checkpoint(path: str | os.PathLike, payload: dict) -> None:
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            try:
+                torch.save(payload, f)
+            except RuntimeError as e:
+                os_error = _os_error_in(e)
+                if os_error is None:
+                    raise
+                raise os_error from None  # the disk's own error (ENOSPC, EIO, ...), not torch's wrapper
     atomic_write(path, write)
 
 
@@ -107,6 +132,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:      # torch raises RuntimeError / UnpicklingError / EOFError / ... here
         detail = _one_line(e)
+        if "Unsupported operand" in detail:  # not a pickle at all: random bytes, another format
+            raise CheckpointError(f"{path}: cannot read checkpoint, truncated, corrupt or not a torch file "
+                                  f"({detail})") from e
         if "WeightsUnpickler" in detail:
             raise CheckpointError(f"{path}: not a minagi checkpoint, it holds objects that "
                                   f"torch.load(weights_only=True) refuses ({detail})") from e

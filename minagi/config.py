@@ -16,6 +16,7 @@ import json
 import math
 import re
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +31,17 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 
 class ConfigError(ValueError):
-    """A configuration problem. ``str(err)`` is one line; ``err.key`` is the dotted key, if any."""
+    """A configuration problem. ``str(err)`` is one line; ``err.key`` is the dotted key, if any, and
+    ``err.related`` the other keys of a rule between several (``top_k <= n_experts``)."""
 
-    def __init__(self, message: str, key: str | None = None):
+    def __init__(self, message: str, key: str | None = None, related: tuple[str, ...] = ()):
         super().__init__(" ".join(message.splitlines()))  # one line, whatever was interpolated
         self.key = key
+        self.related = related
+
+
+class ConfigNote(UserWarning):
+    """A setting the loader adapted, and why (a profile's warmup fitted to a shorter train.steps)."""
 
 
 # --- value checks shared by __post_init__ and the loader -------------------------------------
@@ -109,9 +116,9 @@ def _check_type(key: str, typ: Any, value: Any) -> Any:
     return value
 
 
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
+def _require(ok: bool, key: str, value: Any, why: str, related: tuple[str, ...] = ()) -> None:
     if not ok:
-        raise ConfigError(f"{key} = {_fmt(value)} is impossible: {why}", key)
+        raise ConfigError(f"{key} = {_fmt(value)} is impossible: {why}", key, related)
 
 
 class _Section:
@@ -165,10 +172,10 @@ class ModelConfig(_Section):
         self._at_least(0, "d_dense")
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
-                 f"must be a multiple of n_heads ({self.n_heads})")
+                 f"must be a multiple of n_heads ({self.n_heads})", ("model.n_heads",))
         _require(self.head_dim % 2 == 0, "model.d_model", self.d_model,
                  f"head dim d_model // n_heads = {self.head_dim} must be even "
-                 "(RoPE rotates pairs of channels)")
+                 "(RoPE rotates pairs of channels)", ("model.n_heads",))
         self._positive("rope_base")
 
 
@@ -196,7 +203,7 @@ class PoolConfig(_Section):
     def _validate(self) -> None:
         self._at_least(1, "n_experts", "top_k", "d_expert")
         _require(self.top_k <= self.n_experts, "pool.top_k", self.top_k,
-                 f"top_k must be <= n_experts ({self.n_experts})")
+                 f"top_k must be <= n_experts ({self.n_experts})", ("pool.n_experts",))
         self._at_least(0, "capacity_factor", "balance_coef", "z_loss_coef", "bias_update_rate")
         self._positive("sink_ratio")
 
@@ -256,7 +263,7 @@ class TrainConfig(_Section):
                  "must be between 0 and 1")
         self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "seed", "early_stop_evals")
         _require(self.warmup_steps <= self.steps, "train.warmup_steps", self.warmup_steps,
-                 f"warmup_steps must be <= steps ({self.steps})")
+                 f"warmup_steps must be <= steps ({self.steps})", ("train.steps",))
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _require(0 <= value < 1, f"train.{name}", value, "must be in [0, 1)")
@@ -294,11 +301,12 @@ class ExpertsConfig(_Section):
                  "must be a multiple of 8 (grouped GEMMs in bf16 need it; 0 = no adapters)")
         self._positive("lora_alpha")
         _require(self.frozen or self.lora_rank == 0, "experts.lora_rank", self.lora_rank,
-                 "LoRA adapters train on frozen experts: set experts.frozen = true (or lora_rank = 0)")
+                 "LoRA adapters train on frozen experts: set experts.frozen = true (or lora_rank = 0)",
+                 ("experts.frozen",))
         _require(self.frozen or self.offload == "none", "experts.offload", self.offload,
-                 "only frozen experts can be offloaded: set experts.frozen = true")
+                 "only frozen experts can be offloaded: set experts.frozen = true", ("experts.frozen",))
         _require(self.offload == "none" or self.quant == "nf4", "experts.offload", self.offload,
-                 "offload stages NF4 stacks: set experts.quant = \"nf4\"")
+                 "offload stages NF4 stacks: set experts.quant = \"nf4\"", ("experts.quant",))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -546,11 +554,15 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {key}: {err}", key) from None
 
 
-def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+def apply_overrides(cfg: Config, overrides: Sequence[str], *, fit_warmup: bool = False) -> Config:
     """Apply ``--set section.key=value`` items in order (a later one wins) and re-validate.
 
     An impossible combination (``top_k`` above a newly set ``n_experts``) is blamed on the
-    ``--set`` of that key, else on the ``--set`` items of the same section.
+    ``--set`` of the key it is about, else on the ``--set`` of the other keys of its rule, else on
+    the ``--set`` items of the same section.
+    fit_warmup: a ``--set train.steps`` below the profile's ``warmup_steps`` (a short first try of a
+    long profile) warms up over a tenth of the steps instead, said in a ConfigNote warning, rather
+    than failing. A ``--set train.warmup_steps`` above the steps is still an error: the user asked.
     """
     if isinstance(overrides, str):
         overrides = [overrides]  # one "a.b=c" would otherwise be iterated character by character
@@ -560,22 +572,32 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
         section, name, value = _parse_override(item)
         d[section][name] = value
         set_keys.append(f"{section}.{name}")
+    train = d["train"]
+    if (fit_warmup and "train.steps" in set_keys and "train.warmup_steps" not in set_keys
+            and isinstance(train["steps"], int) and train["warmup_steps"] > train["steps"] >= 1):
+        fitted = train["steps"] // 10
+        warnings.warn(f"train.warmup_steps = {train['warmup_steps']} exceeds train.steps = {train['steps']}: "
+                      f"warming up over {fitted} steps (a tenth of them) instead; --set "
+                      "train.warmup_steps to choose", ConfigNote, stacklevel=2)
+        train["warmup_steps"] = fitted
     try:
         return _from_dict(d)
     except ConfigError as err:
         culprits = ([err.key] if err.key in set_keys else
+                    [k for k in set_keys if k in err.related] or
                     [k for k in set_keys if err.key and k.split(".")[0] == err.key.split(".")[0]]
                     or set_keys)
-        raise ConfigError(f"--set {', '.join(dict.fromkeys(culprits))}: {err}", err.key) from None
+        raise ConfigError(f"--set {', '.join(dict.fromkeys(culprits))}: {err}", err.key, err.related) from None
 
 
 def load_config(profile: str | None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the profile (a name in profiles/ or a .toml path; None = none), then --set.
 
-    The profile must be valid on its own; --set items are checked exactly like the file.
+    The profile must be valid on its own; --set items are checked exactly like the file. A --set
+    train.steps below the profile's warmup fits the warmup to it (`apply_overrides`' fit_warmup).
     """
     cfg = Config()
     if profile is not None:
         path = resolve_profile(profile)
         cfg = config_from_dict(_read_profile(path), source=_display(path))
-    return apply_overrides(cfg, overrides) if overrides else cfg
+    return apply_overrides(cfg, overrides, fit_warmup=True) if overrides else cfg

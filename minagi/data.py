@@ -10,6 +10,7 @@ Shapes: B global batch, b = B // world_size rows per rank, T context (characters
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import glob
 import hashlib
@@ -30,7 +31,7 @@ from .atomic import atomic_write
 from .gutenberg import STRIP_VERSION, MarkersMissing, strip_gutenberg as _strip_pg
 
 __all__ = [
-    "DataError", "DataWarning", "VocabError", "Vocab", "Corpus", "load_corpus", "get_batch",
+    "DataError", "DataWarning", "VocabError", "Vocab", "Corpus", "file_content_key", "load_corpus", "get_batch",
     "heldout_batches", "default_cache_dir", "STDLIB_CAP_BYTES",
 ]
 
@@ -231,37 +232,42 @@ def _resolve(path: str) -> tuple[list[_Source], str]:
     raise DataError(f"data path {path!r} does not exist (expected a text file, a directory or a glob)")
 
 
+def _not_text(raw: bytes, error: UnicodeDecodeError | None) -> str:
+    """Why a file is not text, with the byte offset to look at: the first byte that is not UTF-8, or a NUL."""
+    if error is None:
+        return f"a NUL byte at offset {raw.find(bytes(1)):,}: binary"
+    start = error.start + (len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0)  # utf-8-sig counts after it
+    return f"byte 0x{raw[start]:02x} at offset {start:,} is not UTF-8"
+
+
 def _read(sources: list[_Source], label: str) -> list[_Source]:
     """Decode each file as UTF-8 (BOM dropped, CRLF -> LF); skip binary / non-UTF-8 / empty ones."""
     kept: list[_Source] = []
-    skipped: list[_Source] = []
+    skipped: list[str] = []  # "'path' (why)"
     for s in sources:
         try:
             s.raw = s.path.read_bytes()
             s.text = s.raw.decode("utf-8-sig")
-        except UnicodeDecodeError:
-            skipped.append(s)
+        except UnicodeDecodeError as e:
+            skipped.append(f"{str(s.path)!r} ({_not_text(s.raw, e)})")
             continue
         except OSError as e:
             raise DataError(f"cannot read data file {str(s.path)!r}: {e.strerror or e}") from e
         if "\0" in s.text:           # valid UTF-8 but binary (NUL bytes): not text
-            skipped.append(s)
+            skipped.append(f"{str(s.path)!r} ({_not_text(s.raw, None)})")
             continue
         s.text = s.text.replace("\r\n", "\n")
         if s.text:
             kept.append(s)
+    listed = ", ".join(skipped[:_MAX_LISTED]) + (f" (+{len(skipped) - _MAX_LISTED} more)"
+                                                 if len(skipped) > _MAX_LISTED else "")
     if not kept:
         if skipped:
-            names = ", ".join(repr(str(s.path)) for s in skipped[:_MAX_LISTED])
-            raise DataError(f"no UTF-8 text in {label}: {names} is binary or not UTF-8")
+            raise DataError(f"no UTF-8 text in {label}: {listed}")
         raise DataError(f"no text in {label}: every file is empty")
     if skipped:
-        more = f" (+{len(skipped) - _MAX_LISTED} more)" if len(skipped) > _MAX_LISTED else ""
-        warnings.warn(
-            f"skipped {len(skipped)} binary / non-UTF-8 file(s) in {label}: "
-            f"{', '.join(repr(str(s.path)) for s in skipped[:_MAX_LISTED])}{more}",
-            DataWarning, stacklevel=3,
-        )
+        warnings.warn(f"skipped {len(skipped)} binary / non-UTF-8 file(s) in {label}: {listed}",
+                      DataWarning, stacklevel=3)
     return kept
 
 
@@ -369,6 +375,13 @@ def _content_key(sources: list[_Source], heldout_fraction: float, *, strip_guten
         h.update(s.name.encode("utf-8", "surrogatepass") + b"\0" + len(s.raw).to_bytes(8, "little"))
         h.update(s.raw)
     return h.hexdigest()[:32]
+
+
+def file_content_key(path: str, name: str, heldout_fraction: float, *, strip_gutenberg: bool = False) -> str:
+    """`Corpus.content_key` of the one-file corpus at `path` as if the file were called `name`: a renamed
+    copy of a run's text has the run's key (one file is split by position, not by its name)."""
+    p = Path(path).expanduser()
+    return _content_key([_Source(name, p, p.read_bytes())], heldout_fraction, strip_gutenberg=strip_gutenberg)
 
 
 def _vocab_key(vocab: Vocab) -> str:

@@ -83,9 +83,13 @@ def choose_device(requested: str, option: str = "train.device") -> torch.device:
     available = torch.cuda.is_available()
     if requested == "cuda":
         if not available:
-            build = "a CPU-only build" if torch.version.cuda is None and not torch.version.hip else "this machine"
-            raise DeviceError(f"{option}=cuda but no CUDA device is available ({build} of torch "
-                               f"{torch.__version__}); use {option}=cpu or auto")
+            if torch.version.cuda is None and not torch.version.hip:
+                why = f"torch {torch.__version__} is a CPU-only build"
+            else:
+                built = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+                why = (f"torch {torch.__version__} is built for {built} but sees no GPU: no driver, or "
+                       "CUDA_VISIBLE_DEVICES hides them")
+            raise DeviceError(f"{option}=cuda but no CUDA device is available ({why}); use {option}=cpu or auto")
         return torch.device("cuda")
     if requested == "auto":
         return torch.device("cuda" if available else "cpu")

@@ -30,6 +30,9 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 
 # Every key of a history record, in the order written. Memory figures are bytes; the allocator ones
 # are None on the CPU, where rss_bytes (the process resident memory) is the only figure.
+# The sums (losses, grad norm, sinks, dropped fraction) cover every step since the previous record,
+# across a resume too: the checkpoint carries them. The rates and peaks (chars_per_s, mem_peak_*,
+# dequants) cover the steps that this process trained since then: after a resume, since the resume.
 HISTORY_FIELDS = (
     "step",               # optimizer steps done
     "chars_seen",         # step * batch_size * context, all ranks together
@@ -132,7 +135,10 @@ class History:
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            pass  # the flush of a line whose append already failed (and said so): nothing more to tell
 
     def __enter__(self) -> "History":
         return self
@@ -184,6 +190,7 @@ class RunFolder:
         self.path = Path(path)
         self.history: History | None = None
         self.last_step: int | None = None  # the step last.pt holds, once known (written or resumed)
+        self.removed: list[Path] = []      # temporary files of dead processes that `claim` removed
         self._lock_fd: int | None = None
 
     @property
@@ -206,10 +213,10 @@ class RunFolder:
         except OSError as err:
             raise RunFolderError(_describe_os_error(self.path, err)) from None
         self._lock_fd = _lock(self.path / "run.lock")
-        stale = stale_temp_files(self.path)
-        for p in stale:
+        self.removed = stale_temp_files(self.path)
+        for p in self.removed:
             p.unlink(missing_ok=True)
-        return stale
+        return self.removed
 
     def start(self, **run_info) -> None:
         """Write run.json (see `write_run_info`) and open the history for appending."""
@@ -245,11 +252,19 @@ class RunFolder:
         self._guard(path, lambda: self.history.append(record))
         return True
 
-    def close(self) -> None:
+    def close(self, discard_if_empty: bool = False) -> None:
+        """Close the history and let go of the lock. discard_if_empty: a start that failed before
+        writing anything (a bad --data) removes the folder that `claim` made, run.lock and all."""
         if self.history is not None:
             self.history.close()
             self.history = None
         if self._lock_fd is not None:
+            if discard_if_empty and [p.name for p in self.path.iterdir()] == ["run.lock"]:
+                try:  # still holding the lock: no other run is in it
+                    (self.path / "run.lock").unlink()
+                    self.path.rmdir()
+                except OSError:
+                    pass  # another process's run.lock appeared: the folder is theirs now
             os.close(self._lock_fd)  # closing the descriptor releases the lock
             self._lock_fd = None
 
@@ -264,7 +279,10 @@ class RunFolder:
 
 def _lock(path: Path) -> int:
     """Open and lock `path` without waiting; write our pid after byte 0 (the byte Windows locks)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RunFolderError(_describe_os_error(path, err)) from None
     try:
         if sys.platform == "win32":
             import msvcrt
@@ -277,8 +295,12 @@ def _lock(path: Path) -> int:
         owner = _lock_owner(path)
         raise RunFolderError(f"{path.parent}: another run is training in this folder ({owner}); wait for "
                              "it to end, or choose another --run-name") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
+    except OSError as err:  # a full disk: say so rather than train without a named owner
+        os.close(fd)
+        raise RunFolderError(_describe_os_error(path, err)) from None
     return fd
 
 

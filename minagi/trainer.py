@@ -24,6 +24,7 @@ rank 0 and shared, so ranks go on, or fail, together.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -39,7 +40,7 @@ from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
 from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
     upgrade_config_dict
-from .data import DataError, Vocab, get_batch, heldout_batches, load_corpus
+from .data import DataError, Vocab, file_content_key, get_batch, heldout_batches, load_corpus
 from .diagnostics import RoutingMeter, StepCounts, step_counts
 from .model import CharLM, build_model
 from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
@@ -81,6 +82,39 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A run's learning-rate multiplier per 0-based step: `lr_factor`, and what an extension makes of it.
+
+    A resume that changes train.steps (an extension) continues from the rate the run had reached:
+    from `bend` (the last step before the resume) on, a cosine from that step's factor `bend_factor`
+    down to min_ratio at the new `total`. So the rate never jumps at a resume; a finished run, extended,
+    goes on at its floor. (A fresh warmup and cosine is a new run: --init from the checkpoint.) A run
+    still warming up keeps its warmup, which does not depend on train.steps, and a cosine to the new end.
+    Checkpoints carry it (`checkpoint_payload`), so a second extension bends the first one's curve.
+    """
+    total: int
+    warmup: int
+    min_ratio: float
+    bend: int = -1            # -1: the plain schedule; steps before `bend` are done, their factor unused
+    bend_factor: float = 1.0
+
+    def __call__(self, step: int) -> float:
+        if self.bend < 0 or step < self.bend:
+            return lr_factor(step, self.total, self.warmup, self.min_ratio)
+        progress = min(1.0, (step - self.bend) / max(1, self.total - self.bend))
+        return self.min_ratio + (self.bend_factor - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def extended(self, step: int, total: int) -> "Schedule":
+        """This schedule for a run resumed after `step` steps with train.steps = `total`."""
+        if total == self.total:
+            return self
+        if step <= self.warmup and self.bend < 0:
+            return dataclasses.replace(self, total=total)
+        return Schedule(total=total, warmup=self.warmup, min_ratio=self.min_ratio, bend=step - 1,
+                        bend_factor=self(step - 1))
 
 
 # ------------------------------------------------------------------------------------ resuming
@@ -148,10 +182,16 @@ def _check_same_corpus(corpus, ckpt: dict, path: str, source: Path) -> None:
     saved = (ckpt.get("corpus") or {}).get("content_key")
     if saved is None:  # format 1 did not record it
         return
-    if saved != corpus.content_key:
+    data = config_from_dict(ckpt["config"], source=str(source)).data
+    run_path = data.path
+    if saved != corpus.content_key and not (  # a renamed copy of a one-file corpus is the same corpus
+            len(corpus.sources) == 1 and ckpt["corpus"]["files"] == 1 and run_path and Path(path).is_file()
+            and file_content_key(path, Path(run_path).name, data.heldout_fraction,
+                                 strip_gutenberg=data.strip_gutenberg) == saved):
         raise DataError(f"data.path {path or '(the standard library)'}: its content (key {corpus.content_key}, "
                         f"{len(corpus.sources)} files, {corpus.train_chars + corpus.heldout_chars:,} characters) "
-                        f"differs from the corpus of the run in {source.parent} (key {saved}, "
+                        f"differs from the corpus of the run in {source.parent} "
+                        f"({run_path or '(the standard library)'} when it trained: key {saved}, "
                         f"{ckpt['corpus']['files']} files, "
                         f"{ckpt['corpus']['train_chars'] + ckpt['corpus']['heldout_chars']:,} characters); "
                         "resume with --data pointing at the run's corpus")
@@ -165,15 +205,20 @@ def check_world_size(cfg: Config, world_size: int) -> None:
                           f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
 
 
-def _new_run_name(cfg: Config, profile_name: str) -> str:
-    """train.run_name or <profile>-<timestamp>, refusing a folder that already holds a run."""
+def _claim_new_run(cfg: Config, profile_name: str) -> RunFolder:
+    """The folder of train.run_name or <profile>-<timestamp>, claimed (its lock taken) and empty of runs.
+
+    Claimed first: a folder that another process trains in is refused as such, and no other run can
+    start in it between the check and this run's first write."""
     tc = cfg.train
     run_name = tc.run_name or f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = RunFolder(Path(tc.out_dir) / run_name)
+    folder.claim()
     if folder.holds_run():
+        folder.close()
         raise ConfigError(f"train.run_name: {folder.path} already holds a run; resume it with "
                           f"--resume {folder.path} or choose another --run-name", "train.run_name")
-    return run_name
+    return folder
 
 
 # ------------------------------------------------------------------------------------ the training state
@@ -255,8 +300,8 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
                         experts=cfg.experts, init_frozen=init_frozen)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
-    schedule = lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.min_lr_ratio)  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _as_function(schedule))
     stacks = frozen_stacks(model)
     if tc.checkpoint_rows:
         apply_row_checkpointing(model)
@@ -285,23 +330,52 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
 
 
-def restore_training(training: Training, ckpt: dict) -> None:
-    """Model, optimizer, scheduler and RNG from a checkpoint; the next lr from the schedule."""
+def _as_function(schedule: Schedule) -> Callable[[int], float]:
+    # LambdaLR saves (and on load writes back into) the attributes of a callable object that is not a
+    # plain function: a function keeps the schedule out of the scheduler's state, which is ours to set.
+    return lambda step: schedule(step)
+
+
+def _planned_schedule(ckpt: dict) -> Schedule:
+    """The schedule a checkpoint's run trained with (checkpoints before `schedule` was saved: its config's)."""
+    if "schedule" in ckpt:
+        return Schedule(**ckpt["schedule"])
+    tc = config_from_dict(ckpt["config"], source="checkpoint").train
+    return Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
+
+
+def restore_training(training: Training, ckpt: dict) -> str | None:
+    """Model, optimizer, scheduler and RNG from a checkpoint, and the schedule the run goes on with
+    (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
     training.model.load_state_dict(ckpt["model"])
     training.optimizer.load_state_dict(ckpt["optimizer"])
     training.scheduler.load_state_dict(ckpt["scheduler"])
-    # The lambda is code, not state: recompute the next lr from it, so an extended run (a new
-    # train.steps) follows its new cosine from here on. The same value otherwise, to the bit.
+    planned, step = _planned_schedule(ckpt), ckpt["step"]
+    schedule = planned.extended(step, training.schedule.total)
+    training.schedule = schedule
+    training.scheduler.lr_lambdas = [_as_function(schedule) for _ in training.optimizer.param_groups]
+    # The next lr from the schedule, not the optimizer's saved one: the same value, to the bit, unless
+    # the run was extended.
     for group, base_lr in zip(training.optimizer.param_groups, training.scheduler.base_lrs):
-        group["lr"] = base_lr * training.schedule(training.scheduler.last_epoch)
+        group["lr"] = base_lr * schedule(training.scheduler.last_epoch)
     restore_rng_state(ckpt["rng"])
+    if schedule is planned:
+        return None
+    base = training.scheduler.base_lrs[0]
+    change = f"schedule: train.steps {planned.total} -> {schedule.total}"
+    if schedule.bend < 0:
+        return f"{change}: still warming up; the cosine after the warmup now ends at step {schedule.total}"
+    return (f"{change}: the learning rate goes on from {base * schedule.bend_factor:.3g} (step {step}'s) down a "
+            f"cosine to {base * schedule.min_ratio:.3g} at step {schedule.total}, without a jump (a fresh "
+            "warmup and cosine is a new run: --init from this run's checkpoint)")
 
 
 def checkpoint_payload(training: Training, state: TrainState, cfg: Config, corpus, run_name: str) -> dict:
     return {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict(),
             "scheduler": training.scheduler.state_dict(), "rng": capture_rng_state(),
             "config": config_to_dict(cfg), "vocab": corpus.vocab.chars, "corpus": corpus_summary(corpus),
-            "step": state.step, "best_heldout_loss": state.best, "run_name": run_name, "meter": state.meter()}
+            "step": state.step, "best_heldout_loss": state.best, "run_name": run_name, "meter": state.meter(),
+            "schedule": dataclasses.asdict(training.schedule)}
 
 
 # ------------------------------------------------------------------------------------ one step, one evaluation
@@ -425,6 +499,16 @@ class Trainer:
         self.is_main = rank == 0
         self.say = (log or (lambda msg: tqdm.write(msg, file=sys.stdout))) if self.is_main else (lambda msg: None)
         ckpt = self._open_run(profile_name, resume)
+        try:
+            self._set_up(ckpt, profile_name, progress, argv, init)
+        except BaseException:
+            # The lock, for a caller that goes on in this process; and no empty folder from a bad --data.
+            self.folder.close(discard_if_empty=True)
+            raise
+
+    def _set_up(self, ckpt: dict | None, profile_name: str, progress: bool, argv: list[str] | None,
+                init: str | Path | None) -> None:
+        cfg, rank, world_size, device = self.cfg, self.rank, self.world_size, self.device
         start = None
         if init is not None:  # every rank reads it (rank 0 first: a bad file is one error everywhere)
             start = distributed.main_first(lambda: load_checkpoint(init, map_location="cpu"), rank, world_size)
@@ -448,9 +532,9 @@ class Trainer:
             self.say(f"init: weights of {init} (step {start.get('step', '?')})"
                      + (f"; {len(fresh)} adapter tensors start fresh" if fresh else ""))
             del start
-        self.state = TrainState()
+        self.state, self.schedule_note = TrainState(), None
         if ckpt is not None:
-            restore_training(self.training, ckpt)
+            self.schedule_note = restore_training(self.training, ckpt)
             self.state = TrainState.from_checkpoint(ckpt, device)
         self._start_run_folder(profile_name, argv, resumed=ckpt is not None, record=(ckpt or {}).get("record"))
         self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
@@ -461,14 +545,26 @@ class Trainer:
         """The run folder and, on resume, its checkpoint: decided on rank 0, shared with the others."""
         self.vocab = None
         if resume is None:
-            # Timestamps may differ between ranks: rank 0 names the run for all.
-            self.run_name = distributed.from_main(lambda: _new_run_name(self.cfg, profile_name), self.rank,
-                                                  self.world_size)
-            self.folder = RunFolder(Path(self.cfg.train.out_dir) / self.run_name)
+            # Timestamps may differ between ranks: rank 0 names the run for all, and claims its folder.
+            def claim() -> str:
+                self.folder = _claim_new_run(self.cfg, profile_name)
+                return self.folder.path.name
+            self.run_name = distributed.from_main(claim, self.rank, self.world_size)
+            if not self.is_main:
+                self.folder = RunFolder(Path(self.cfg.train.out_dir) / self.run_name)
             return None
         self.folder = RunFolder(resume)
+
+        def open_last() -> dict:
+            if self.is_main:
+                self.folder.claim()  # before reading last.pt: no other process may move it on
+            try:
+                return _open_checkpoint(self.folder.path, self.cfg)
+            except BaseException:
+                self.folder.close()
+                raise
         # Every rank loads last.pt (rank 0 first: a bad file is one error, raised on all ranks).
-        ckpt = distributed.main_first(lambda: _open_checkpoint(self.folder.path, self.cfg), self.rank, self.world_size)
+        ckpt = distributed.main_first(open_last, self.rank, self.world_size)
         self.folder.last_step = ckpt["step"]
         self.vocab, self.run_name = Vocab.from_chars(ckpt["vocab"]), ckpt["run_name"]
         return ckpt
@@ -476,7 +572,10 @@ class Trainer:
     def _start_run_folder(self, profile_name: str, argv: list[str] | None, resumed: bool, record: dict | None) -> None:
         if not self.is_main:
             return
-        self.folder.claim()
+        removed = self.folder.removed
+        if removed:
+            names = ", ".join(p.name for p in removed[:4]) + (", ..." if len(removed) > 4 else "")
+            self.say(f"removed {len(removed)} temporary file(s) that a stopped run left: {names}")
         self.folder.start(config=config_to_dict(self.cfg), profile=profile_name,
                           device=devices.device_name(self.device), argv=argv if argv is not None else sys.argv,
                           world_size=self.world_size, resumed_at_step=self.state.step if resumed else None,
@@ -485,6 +584,8 @@ class Trainer:
             self.say(f"history: appended the record of step {record['step']} that a stop had cut off")
         self.say(f"run folder: {self.folder.path}" + (f" (resumed at step {self.state.step})" if resumed else ""))
         self.say(describe_corpus(self.corpus, self.cfg.data.path))
+        if self.schedule_note:
+            self.say(self.schedule_note)
 
     # ---------------------------------------------------------------- the loop
 
@@ -494,7 +595,11 @@ class Trainer:
         bar = tqdm(total=tc.steps, initial=state.step, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
                    disable=True if not (self.progress and self.is_main) else None, unit="step")
         devices.memory_stats(self.device)  # reset the peaks: the first record covers this call's steps only
-        self.interval_chars, self.interval_s = 0, 0.0
+        # Without a terminal (a log file, a job scheduler) tqdm draws nothing: a plain line instead, ten
+        # per evaluation interval.
+        plain = self.progress and self.is_main and bar.disable
+        self.line_every = max(1, min(tc.eval_every, tc.steps) // 10) if plain else 0
+        self.interval_chars, self.interval_s, self.interval_steps = 0, 0.0, 0
         self.owed = None       # (payload, record, improved) of an evaluation whose files are not all written
         self.lr = self._last_lr() if state.eval_due else None
         self.training.model.train()
@@ -546,20 +651,26 @@ class Trainer:
         self.lr = stats.lr
         self.interval_s += dt
         self.interval_chars += tc.batch_size * mc.context
+        self.interval_steps += 1
         self.result.losses.append(stats.ce)
         self.result.step = state.step
-        if not bar.disable:
+        line_due = self.line_every and state.step % self.line_every == 0
+        if not bar.disable or line_due:
             mem = (f"mem {_fmt_bytes(torch.cuda.memory_allocated(self.device))}" if self.device.type == "cuda"
                    else f"rss {_fmt_bytes(devices.rss_bytes())}")
-            bar.set_postfix_str(f"loss {stats.ce:.4f} | {self.interval_chars / self.interval_s:,.0f} char/s | {mem}",
-                                refresh=False)
-            bar.update(1)
+            status = f"loss {stats.ce:.4f} | {self.interval_chars / self.interval_s:,.0f} char/s | {mem}"
+            if bar.disable:
+                self.say(f"step {state.step}/{tc.steps}: {status}")
+            else:
+                bar.set_postfix_str(status, refresh=False)
+                bar.update(1)
 
     def _evaluate_and_record(self) -> None:
         # Collectives follow (held-out loss): every rank runs this.
         state, tc = self.state, self.cfg.train
-        self.dequants = dequant_summary(self.training.model, state.since)  # training steps' only
-        self.offload = offload_summary(self.training.stager, state.since)
+        # Training steps' only, per step this process trained (the counts of steps before a resume are gone).
+        self.dequants = dequant_summary(self.training.model, self.interval_steps)
+        self.offload = offload_summary(self.training.stager, self.interval_steps)
         heldout = evaluate(self.training.model, self.eval_batches, self.device, self.world_size)
         dequant_summary(self.training.model, 1)  # drop the evaluation's
         offload_summary(self.training.stager, 1)
@@ -571,7 +682,7 @@ class Trainer:
         state.best = min(state.best, heldout)
         state.evals_since_best = 0 if improved else state.evals_since_best + 1
         state.eval_due = False
-        self.interval_chars, self.interval_s = 0, 0.0
+        self.interval_chars, self.interval_s, self.interval_steps = 0, 0.0, 0
         result = self.result
         result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, state.best
         if self.is_main:
@@ -607,10 +718,14 @@ class Trainer:
             return
         if not self.is_main:
             return
-        if self.owed is not None:  # stopped while writing an evaluation's files: finish them
-            self.folder.write_evaluation(*self.owed)
-        else:
-            self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.corpus, self.run_name))
+        try:
+            if self.owed is not None:  # stopped while writing an evaluation's files: finish them
+                self.folder.write_evaluation(*self.owed)
+            else:
+                self.folder.save_last(checkpoint_payload(self.training, state, self.cfg, self.corpus, self.run_name))
+        except KeyboardInterrupt:  # a second Ctrl-C: the atomic write left the old files whole
+            self.say(f"interrupted again while saving step {state.step}; {self.folder.kept()}")
+            return
         self.say(f"interrupted: saved {self.folder.last} at step {state.step}; "
                  f"continue with --resume {self.folder.path}")
 

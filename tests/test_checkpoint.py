@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,11 +119,13 @@ def test_truncated_file_is_one_line_error_naming_it(tmp_path):
     _one_line_naming(err, path)
 
 
-@pytest.mark.parametrize("kind", ["text", "tensor", "dict_without_version", "numpy_pickle"])
-def test_foreign_file_is_one_line_error_naming_it(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["text", "random_bytes", "tensor", "dict_without_version", "numpy_pickle"])
+def test_foreign_file_is_one_line_error_naming_it_without_torchs_advice(tmp_path, kind):
     path = tmp_path / f"{kind}.pt"
     if kind == "text":
         path.write_text("hello, I am not a checkpoint\n")
+    elif kind == "random_bytes":
+        path.write_bytes(random.Random(0).randbytes(4096))
     elif kind == "tensor":
         torch.save(torch.arange(5), path)
     elif kind == "dict_without_version":
@@ -134,6 +137,12 @@ def test_foreign_file_is_one_line_error_naming_it(tmp_path, kind):
     _one_line_naming(err, path)
     if kind in ("tensor", "dict_without_version", "numpy_pickle"):
         assert "not a minagi checkpoint" in str(err.value)
+    if kind == "random_bytes":
+        assert "truncated, corrupt or not a torch file (UnpicklingError: WeightsUnpickler error: Unsupported " \
+               "operand" in str(err.value)
+    # torch's advice (load with weights_only=False, allowlist globals) is for files one trusts: not ours to give.
+    assert not re.search(r"weights_only`? set to `?False|weights_only=False|safe_globals|trusted source",
+                         str(err.value)), str(err.value)
 
 
 def test_newer_format_version_is_one_line_error_naming_it(tmp_path):

@@ -3,12 +3,13 @@
 import dataclasses
 import json
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
 
 from minagi.config import (
-    PROFILES_DIR, Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, PoolConfig,
+    PROFILES_DIR, Config, ConfigError, ConfigNote, DataConfig, MemoryConfig, ModelConfig, PoolConfig,
     TrainConfig, apply_overrides, available_profiles, config_from_dict, config_to_dict, load_config,
     resolve_profile, upgrade_config_dict)
 
@@ -264,6 +265,28 @@ def test_impossible_combination_is_blamed_on_the_set_that_made_it(tmp_path):
     msg = error_of(load_config, str(path), ["pool.n_experts=2", "train.steps=100"])
     assert msg == ("--set pool.n_experts: pool.top_k = 4 is impossible: "
                    "top_k must be <= n_experts (2)")
+
+
+def test_an_impossible_combination_blames_the_set_of_a_key_of_its_rule_not_the_whole_section(tmp_path):
+    path = write(tmp_path, "[train]\nsteps = 500\nwarmup_steps = 50\n")
+    # fit_warmup off (a resume, a library caller): train.steps below the warmup is refused, blaming train.steps.
+    cfg = load_config(str(path))
+    msg = error_of(apply_overrides, cfg, ["train.steps=40", "train.eval_every=10"])
+    assert msg == "--set train.steps: train.warmup_steps = 50 is impossible: warmup_steps must be <= steps (40)"
+    msg = error_of(load_config, str(path), ["train.warmup_steps=60", "train.steps=40", "train.eval_every=10"])
+    assert msg == "--set train.warmup_steps: train.warmup_steps = 60 is impossible: warmup_steps must be <= steps (40)"
+
+
+def test_a_set_of_train_steps_below_the_profiles_warmup_fits_the_warmup_and_says_so(tmp_path):
+    path = write(tmp_path, "[train]\nsteps = 500\nwarmup_steps = 50\n")
+    with pytest.warns(ConfigNote, match=r"^train\.warmup_steps = 50 exceeds train\.steps = 40: warming up over "
+                                        r"4 steps \(a tenth of them\) instead"):
+        cfg = load_config(str(path), ["train.steps=40", "train.eval_every=10"])
+    assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.eval_every) == (40, 4, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no note when the warmup fits, or was set too
+        assert load_config(str(path), ["train.steps=60"]).train.warmup_steps == 50
+        assert load_config(str(path), ["train.steps=40", "train.warmup_steps=5"]).train.warmup_steps == 5
 
 
 def test_apply_overrides_accepts_a_single_string():

@@ -146,14 +146,20 @@ def test_binary_file_in_directory_is_skipped_with_one_warning(tmp_path, cache):
     (root / "nul.dat").write_bytes(b"abc\x00def")
     with pytest.warns(data.DataWarning) as record:
         corpus = load_corpus(str(root), 0.5, cache_dir=cache)
-    assert len(record) == 1 and "blob.bin" in str(record[0].message) and "nul.dat" in str(record[0].message)
+    message = str(record[0].message)
+    assert len(record) == 1 and f"'{root / 'blob.bin'}' (byte 0x89 at offset 0 is not UTF-8)" in message
+    assert f"'{root / 'nul.dat'}' (a NUL byte at offset 3: binary)" in message
     assert corpus.sources == ["a.txt", "b.txt"]
 
 
-def test_single_non_utf8_file_is_an_error_naming_it(tmp_path, cache):
+def test_single_non_utf8_file_is_an_error_naming_it_and_the_offset_of_its_bad_byte(tmp_path, cache):
     path = tmp_path / "latin1.txt"
-    path.write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(DataError, match="latin1.txt"):
+    path.write_bytes(("ok\n" * 1000 + "caf\xe9").encode("latin-1"))
+    with pytest.raises(DataError) as err:
+        load_corpus(str(path), 0.1, cache_dir=cache)
+    assert str(err.value) == f"no UTF-8 text in {path}: '{path}' (byte 0xe9 at offset 3,003 is not UTF-8)"
+    path.write_bytes(b"\xef\xbb\xbf" + "caf\xe9".encode("latin-1"))  # after a BOM: offsets count the BOM
+    with pytest.raises(DataError, match=r"byte 0xe9 at offset 6 is not UTF-8\)$"):
         load_corpus(str(path), 0.1, cache_dir=cache)
 
 

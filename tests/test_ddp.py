@@ -82,6 +82,7 @@ code = train_py.main(argv)
 if "result" in seen:
     result = seen["result"]
     torch.save({"run_dir": str(result.run_dir), "losses": result.losses, "heldout": result.heldout_loss,
+                "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), "master_port": os.environ["MASTER_PORT"],
                 "state": {k: v.clone() for k, v in seen["model"].state_dict().items()}},
                os.path.join(out_dir, f"rank{rank}.pt"))
 sys.exit(code)
@@ -105,13 +106,17 @@ class Setup:
         """Two ranks of train.py; (rank 0's dump, rank 1's dump, the launcher's stdout)."""
         out = self.root / f"dumps-{name}"
         out.mkdir()
+        # --standalone: the rendezvous store binds localhost:0 and keeps it; the agent then starts one
+        # shared TCPStore on port 0 too, held for the job, and hands the workers its port as MASTER_PORT
+        # with TORCHELASTIC_USE_AGENT_STORE=True, so init_process_group connects to it as a client and
+        # binds nothing (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py next_rendezvous,
+        # torch/distributed/rendezvous.py _create_c10d_store). No port is picked, released and raced
+        # for -- unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, whose fallback is get_free_port(): kept off.
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
         done = subprocess.run(
-            # --standalone: the launcher's store binds a port of its own choosing and the workers use
-            # that store, so no port is picked, released and raced for.
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              str(self.worker), str(out), "freeze" if freeze else "-", *args],
-            cwd=REPO, capture_output=True, text=True, timeout=240,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            cwd=REPO, capture_output=True, text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
         return (torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True),
                 done.stdout)
@@ -180,6 +185,14 @@ def test_only_rank_zero_writes_the_run_folder_once_per_record(ddp):
     assert last["step"] == 6 and not any(k.startswith(("module.", "_orig_mod.")) for k in last["model"])
     for out in ddp["stdout"]:
         assert out.count("run folder: ") == 1 and out.count("final held-out") == 1, out
+
+
+def test_the_ranks_join_the_launchers_store_as_clients_so_no_port_is_raced_for(ddp):
+    # The agent's TCPStore was bound (port 0, the system's choice) before the workers started and is
+    # held for the job; the workers only connect to MASTER_PORT (see Setup.torchrun).
+    for r0, r1 in (ddp["fresh"], ddp["resumed"]):
+        assert r0["agent_store"] == r1["agent_store"] == "True"
+        assert r0["master_port"] == r1["master_port"]
 
 
 def test_the_default_run_name_is_rank_zeros_on_every_rank(ddp):

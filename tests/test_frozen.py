@@ -15,6 +15,7 @@ from minagi.loading import init_from_checkpoint, load_trained
 from minagi.model import build_model
 from minagi.nf4 import dequantize_nf4, quantize_nf4
 from minagi.recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
+from minagi.runlog import read_history
 from minagi.sampling import generate
 from minagi.trainer import resume_config, train
 from tiny import run_tiny
@@ -223,6 +224,9 @@ def test_a_frozen_run_resumes_exactly_and_writes(trained, monkeypatch):
     cfg, profile = resume_config(cut.run_dir)
     rest = train(cfg, profile, cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
     assert cut.losses + rest.losses == frozen.losses and rest.heldout_loss == frozen.heldout_loss
+    # Dequants per step of the record that straddles the resume: over the steps this process trained.
+    assert read_history(cut.run_dir / "history.jsonl")[-1]["dequants"] == \
+        read_history(frozen.run_dir / "history.jsonl")[-1]["dequants"]
     model, vocab, _ = load_trained(cut.run_dir / "last.pt")
     seen = []
     real = FrozenStack.dequantize

@@ -3,14 +3,19 @@
 Every run here is a tiny CPU model (1 row, width 32, 4 experts, 4 x 16 characters a step) on a
 generated text written into tmp_path, so the whole file takes seconds.
 """
+import contextlib
+import io
 import json
 import math
 import os
+import random
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +27,7 @@ from minagi.data import get_batch
 from minagi.model import CharLM
 from minagi.runlog import HISTORY_FIELDS, History, read_history
 from minagi.trainer import NonFiniteLossError, lr_factor, resume_config, train
-from tiny import TINY, run_tiny, tiny_cfg
+from tiny import TINY, run_tiny, tiny_argv, tiny_cfg, tiny_text, write_tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,7 +110,7 @@ def _interrupt_at(monkeypatch, at_step: int) -> None:
     monkeypatch.setattr(trainer, "get_batch", interrupting)
 
 
-def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses(tmp_path, data_path, monkeypatch):
+def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp_path, data_path, monkeypatch):
     extra = ("train.steps=8", "train.eval_every=2")
     full = run_tiny(tmp_path, data_path, *extra, run_name="full")
 
@@ -122,12 +127,16 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses(tmp_path, data_
     # Exactly: the same batches (indexed by step), the same state, the same order of operations.
     assert first.losses + second.losses == full.losses
     assert second.heldout_loss == full.heldout_loss
-    # One history file, continued: the same records as the uninterrupted run's (wall time aside).
+    # One history file, continued: the same records as the uninterrupted run's (wall time aside). The
+    # record of step 6 straddles the resume after step 5: its losses and its routing counters (the
+    # checkpoint carries both) cover steps 5 and 6 alike.
     cut, ref = read_history(first.run_dir / "history.jsonl"), read_history(full.run_dir / "history.jsonl")
     assert [r["step"] for r in cut] == [r["step"] for r in ref] == [2, 4, 6, 8]
     for a, b in zip(cut, ref):
-        for key in ("train_loss", "aux_loss", "heldout_loss", "lr", "chars_seen"):
-            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen", "dropped_fraction"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+        assert a["sinks"] == b["sinks"], a["step"]  # counts, and ratios of counts: exact
+        assert a["sinks"][0]["routed"] == 2 * 4 * 16 * 2  # 2 steps of 4 x 16 characters, top-2
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
 
 
@@ -175,6 +184,69 @@ def test_extending_a_finished_run_with_train_steps_equals_running_longer(tmp_pat
     assert short.losses + longer.losses == pytest.approx(full.losses, abs=1e-6)
     assert [r["step"] for r in read_history(short.run_dir / "history.jsonl")] == [2, 4, 6, 8, 10]
     assert json.loads((short.run_dir / "run.json").read_text())["config"]["train"]["steps"] == 10
+
+
+def _record_lrs(monkeypatch) -> list[float]:
+    """The learning rate of every training step from here on."""
+    lrs, real = [], trainer.train_step
+
+    def spy(*args, **kwargs):
+        stats = real(*args, **kwargs)
+        lrs.append(stats.lr)
+        return stats
+    monkeypatch.setattr(trainer, "train_step", spy)
+    return lrs
+
+
+def test_extending_a_run_continues_the_learning_rate_it_had_reached_without_a_jump(tmp_path, data_path,
+                                                                                    monkeypatch):
+    short = run_tiny(tmp_path, data_path, "train.eval_every=2")  # 6 steps: warmup 2, cosine to 0.1 x 3e-3
+    reached = read_history(short.run_dir / "history.jsonl")[-1]["lr"]  # the lr of its last step
+    assert reached == pytest.approx(3e-3 * lr_factor(5, 6, 2, 0.1))
+    floor = 3e-3 * 0.1
+    # From the last step's rate, a cosine down to the floor at the new end (Schedule's docstring).
+    expected = [floor + (reached - floor) * 0.5 * (1 + math.cos(math.pi * (s - 5) / (10 - 5))) for s in range(6, 10)]
+
+    lrs, notes = _record_lrs(monkeypatch), []
+    cfg, profile = resume_config(short.run_dir, ["train.steps=10"])
+    train(cfg, profile, short.run_dir, progress=False, log=notes.append, argv=["test"])
+    assert lrs == pytest.approx(expected, rel=1e-9)
+    assert reached > lrs[0] > lrs[-1] > floor  # on down from where it was: no jump (the plain cosine: 2.4x)
+    assert [n for n in notes if n.startswith("schedule:")] == [
+        f"schedule: train.steps 6 -> 10: the learning rate goes on from {reached:.3g} (step 6's) down a cosine to "
+        f"{floor:.3g} at step 10, without a jump (a fresh warmup and cosine is a new run: --init from this run's "
+        "checkpoint)"]
+
+    # A Ctrl-C inside the extension, resumed: the checkpoint carries the bent schedule.
+    again = run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="again")
+    lrs.clear()
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 8)
+        train(*resume_config(again.run_dir, ["train.steps=10"]), again.run_dir, progress=False,
+              log=lambda msg: None, argv=["test"])
+    train(*resume_config(again.run_dir), again.run_dir, progress=False, log=notes.append, argv=["test"])
+    assert lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_resume_continues_the_random_streams_the_checkpoint_saved(tmp_path, data_path, monkeypatch):
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 3)
+        cut = run_tiny(tmp_path, data_path)
+    saved = load_checkpoint(cut.run_dir / "last.pt")["rng"]
+    random.seed(99)  # another process, with a history of its own
+    np.random.seed(99)
+    torch.manual_seed(99)
+    after_restore = {}
+    real = trainer.restore_training
+
+    def restoring(training, ckpt):
+        note = real(training, ckpt)
+        after_restore.update(trainer.capture_rng_state())
+        return note
+    monkeypatch.setattr(trainer, "restore_training", restoring)
+    train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert after_restore["python"] == saved["python"] and after_restore["numpy"] == saved["numpy"]
+    assert torch.equal(after_restore["torch"], saved["torch"])
 
 
 def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
@@ -293,6 +365,26 @@ def test_nan_loss_stops_at_its_step_and_leaves_the_checkpoints_of_the_step_befor
     assert all(tuple(r) == HISTORY_FIELDS and math.isfinite(r["heldout_loss"]) for r in records)
 
 
+def test_a_gradient_norm_that_is_not_finite_stops_before_updating_even_with_a_finite_loss(tmp_path, data_path,
+                                                                                         monkeypatch):
+    real = CharLM.forward
+    calls = [0]
+
+    def forward(self, idx, targets=None, cache=None):
+        out = real(self, idx, targets, cache)
+        if self.training:
+            calls[0] += 1
+            if calls[0] == 3:  # sqrt'(0) is inf: a zero added to the loss, with a NaN gradient
+                p = next(self.parameters())
+                return out._replace(loss=out.loss + torch.sqrt(p.sum() * 0.0) * 0.0)
+        return out
+    monkeypatch.setattr(CharLM, "forward", forward)
+    with pytest.raises(NonFiniteLossError, match=r"^step 3: gradient norm is not finite \(loss 3\.\d+, aux "):
+        run_tiny(tmp_path, data_path, "train.eval_every=1")
+    last = load_checkpoint(tmp_path / "runs" / "run" / "last.pt")
+    assert last["step"] == 2 and all(torch.isfinite(t).all() for t in last["model"].values())
+
+
 # ------------------------------------------------------------------------------ train.py
 
 def _tiny_profile(tmp_path) -> Path:
@@ -375,12 +467,138 @@ def test_train_py_exit_codes_for_resume_misuse_nan_and_ctrl_c(tmp_path, data_pat
     assert load_checkpoint(run_dir / "last.pt")["step"] == 3  # eval_every=3: the record at step 3
 
 
+def test_a_second_ctrl_c_while_the_first_is_saving_says_what_last_pt_still_holds(tmp_path, data_path,
+                                                                                  monkeypatch, capsys):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if obj["step"] == 3:  # the first Ctrl-C's checkpoint, half written, then the second Ctrl-C
+            f.write(b"PK\x03\x04 half a checkpoint")
+            raise KeyboardInterrupt
+        return real_save(obj, f, *args, **kwargs)
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 3)
+        m.setattr(torch, "save", save)
+        assert train_py.main(tiny_argv(tmp_path, data_path, "train.eval_every=2", run_name="twice")) == 130
+    out, err = capsys.readouterr()
+    run_dir = tmp_path / "runs" / "twice"
+    assert "before training began" not in out + err and err == ""
+    assert out.splitlines()[-1] == (f"interrupted again while saving step 3; {run_dir / 'last.pt'} keeps the last "
+                                    "good checkpoint (step 2)")
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 2 and not list(run_dir.glob("*.tmp-*"))
+
+
+def test_a_nan_before_the_first_checkpoint_says_that_none_was_written(tmp_path, data_path, monkeypatch, capsys):
+    with monkeypatch.context() as m:
+        _nan_at_training_call(m, 2)
+        assert train_py.main(tiny_argv(tmp_path, data_path, run_name="early")) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: step 2: loss is not finite"), err
+    assert err[0].endswith("; stopped before updating; no checkpoint was written")
+    assert not (tmp_path / "runs" / "early" / "last.pt").exists()
+
+
+def test_ctrl_c_while_train_py_starts_up_is_one_line_and_exit_130(tmp_path):
+    fake = tmp_path / "site" / "torch"  # a torch whose import is cut short, as a Ctrl-C while it loads would
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    done = subprocess.run([sys.executable, "train.py"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(fake.parent)})
+    assert (done.returncode, done.stdout) == (130, "")
+    assert done.stderr == "interrupted before training began; no checkpoint was written\n"
+
+
+def test_a_resume_finds_its_corpus_from_any_directory_and_refuses_one_whose_content_changed(tmp_path, monkeypatch,
+                                                                                         capsys):
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    text = write_tiny_text(start if start.mkdir() is None else start)
+    monkeypatch.chdir(start)
+    assert train_py.main(tiny_argv(tmp_path, Path(text.name), run_name="moved")) == 0  # --data text.txt
+    run_dir = tmp_path / "runs" / "moved"
+    assert json.loads((run_dir / "run.json").read_text())["config"]["data"]["path"] == str(text)
+
+    monkeypatch.chdir(elsewhere)
+    assert train_py.main(["--resume", str(run_dir), "--set", "train.steps=8"]) == 0
+    text.write_text(tiny_text().replace("fox", "cat"))  # the same path and characters, another text
+    capsys.readouterr()
+    assert train_py.main(["--resume", str(run_dir), "--set", "train.steps=10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: data.path {text}: its content (key "), err
+    assert f"differs from the corpus of the run in {run_dir} ({text} when it trained: key " in err[0]
+    # The run's text in another place: --data says where, and its content is checked.
+    copy = elsewhere / "copy.txt"
+    copy.write_text(tiny_text())
+    assert train_py.main(["--resume", str(run_dir), "--data", "copy.txt", "--set", "train.steps=10"]) == 0
+    assert json.loads((run_dir / "run.json").read_text())["config"]["data"]["path"] == str(copy)
+    assert [r["step"] for r in read_history(run_dir / "history.jsonl")] == [3, 6, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def first_try(tmp_path_factory):
+    """`train.py --set train.steps=20` on cpu_tiny without a terminal (stdout and stderr to files),
+    on a folder of one text and one image."""
+    tmp = tmp_path_factory.mktemp("first")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    (corpus / "text.txt").write_text(tiny_text())
+    (corpus / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    argv = ["--profile", "cpu_tiny", "--data", str(corpus), "--run-name", "first", "--set", "train.steps=20",
+            "--set", f"train.out_dir={tmp / 'runs'}", "--set", f"data.cache_dir={tmp / 'cache'}"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_py.main(argv)
+    return dict(code=code, out=out.getvalue(), err=err.getvalue(), run_dir=tmp / "runs" / "first", corpus=corpus)
+
+
+def test_a_short_first_try_of_a_long_profile_fits_its_warmup_and_says_so(first_try):
+    assert first_try["code"] == 0, first_try["err"]
+    train_cfg = json.loads((first_try["run_dir"] / "run.json").read_text())["config"]["train"]
+    assert (train_cfg["steps"], train_cfg["warmup_steps"]) == (20, 2)  # cpu_tiny's 50, fitted
+    assert ("warning: train.warmup_steps = 50 exceeds train.steps = 20: warming up over 2 steps (a tenth of "
+            "them) instead; --set train.warmup_steps to choose") in first_try["err"].splitlines()
+
+
+def test_minagi_warnings_are_one_stderr_line_each(first_try):
+    lines = first_try["err"].splitlines()
+    assert len(lines) == 2 and all(line.startswith("warning: ") for line in lines), lines
+    assert (f"warning: skipped 1 binary / non-UTF-8 file(s) in {first_try['corpus']}: "
+            f"'{first_try['corpus'] / 'logo.png'}' (byte 0x89 at offset 0 is not UTF-8)") in lines
+
+
+def test_a_run_says_what_it_trains_on_at_start(first_try):
+    corpus = json.loads((first_try["run_dir"] / "run.json").read_text())["corpus"]
+    text = tiny_text()
+    assert (corpus["files"], corpus["vocab_size"], corpus["train_chars"] + corpus["heldout_chars"]) == \
+        (1, len(set(text)), len(text))
+    assert (f"data: {first_try['corpus']}: 1 file(s), {corpus['train_chars']:,} training characters, vocabulary "
+            f"{corpus['vocab_size']}; held out: the end of the text, {corpus['heldout_chars']:,} characters"
+            ) in first_try["out"].splitlines()
+
+
+def test_without_a_terminal_a_run_prints_a_progress_line_ten_times_an_interval(first_try):
+    # cpu_tiny evaluates every 200 steps; a 20-step run is one interval of 20: a line every 2 steps.
+    steps = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/20: loss \d+\.\d{4} \| [\d,]+ char/s \| "
+                                                   r"rss \d+\.\d\dGiB$", first_try["out"], re.M)]
+    assert steps == list(range(2, 21, 2))
+
+
 # ------------------------------------------------------------------------------ devices and runlog
 
-def test_cuda_requested_without_cuda_is_a_one_line_error(monkeypatch):
+@pytest.mark.parametrize("cuda, hip, why", [
+    (None, None, "is a CPU-only build)"),
+    ("12.8", None, "is built for CUDA 12.8 but sees no GPU: no driver, or CUDA_VISIBLE_DEVICES hides them)"),
+    (None, "6.4", "is built for ROCm 6.4 but sees no GPU"),
+])
+def test_cuda_requested_without_cuda_is_a_one_line_error_saying_why(monkeypatch, cuda, hip, why):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(devices.DeviceError, match="train.device=cuda but no CUDA device"):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    with pytest.raises(devices.DeviceError) as err:
         devices.choose_device("cuda")
+    msg = str(err.value)
+    assert msg.startswith(f"train.device=cuda but no CUDA device is available (torch {torch.__version__} ")
+    assert why in msg and msg.endswith("; use train.device=cpu or auto") and "\n" not in msg
     assert devices.choose_device("auto").type == "cpu"
 
 

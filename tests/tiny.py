@@ -35,6 +35,13 @@ def tiny_cfg(tmp_path: Path, data_path: Path | None, *extra: str, run_name: str 
                               f"train.out_dir={tmp_path / 'runs'}", f"train.run_name={run_name}", *extra])
 
 
+def tiny_argv(tmp_path: Path, data_path: Path, *extra: str, run_name: str = "run",
+              settings: list[str] = TINY) -> list[str]:
+    """train.py's arguments for the run `tiny_cfg` describes: --data, --run-name and --set items."""
+    sets = [*settings, f"data.cache_dir={tmp_path / 'cache'}", f"train.out_dir={tmp_path / 'runs'}", *extra]
+    return ["--data", str(data_path), "--run-name", run_name, *[arg for item in sets for arg in ("--set", item)]]
+
+
 def run_tiny(tmp_path: Path, data_path: Path | None, *extra: str, run_name: str = "run",
              settings: list[str] = TINY, **kwargs) -> TrainResult:
     """Train `tiny_cfg(...)` quietly in this process (data_path None: the tiny text in tmp_path)."""
