@@ -8,6 +8,7 @@ The pieces, each on its own:
   one training step         `train_step`
   one evaluation            `evaluate`
   the loop                  `Trainer.run`, which `train` builds and runs
+  (beside it: minagi/schedule.py, the learning rate; minagi/resume.py, what a resume checks)
 
 Each step trains on `get_batch(train_ids, batch_size, context, seed, step)`: the batch is a pure
 function of the step number, so a resumed run continues at exactly the data position it left, and
@@ -38,16 +39,17 @@ from tqdm import tqdm
 
 from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
-from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
-    upgrade_config_dict
-from .data import DataError, Vocab, file_content_key, get_batch, heldout_batches, load_corpus
+from .config import Config, ConfigError, config_to_dict
+from .data import Vocab, get_batch, heldout_batches, load_corpus
 from .diagnostics import RoutingMeter, StepCounts, step_counts
 from .model import CharLM, build_model
 from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
 from .loading import init_from_checkpoint
 from .offload import OffloadStager, attach_offload
 from .recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
-from .runlog import HISTORY_FIELDS, RunFolder, read_run_info
+from .resume import check_same_corpus, corpus_summary, describe_corpus, open_checkpoint, resume_config
+from .runlog import HISTORY_FIELDS, RunFolder
+from .schedule import Schedule, as_function, lr_factor, planned_schedule
 
 __all__ = ["NonFiniteLossError", "TrainResult", "TrainState", "Training", "build_training", "check_world_size",
            "evaluate", "lr_factor", "resume_config", "train", "train_step"]
@@ -74,127 +76,6 @@ class TrainResult:
     best_heldout_loss: float = math.inf
     interrupted: bool = False         # Ctrl-C: last.pt holds `step`
     stopped_early: bool = False       # train.early_stop_evals: the held-out loss stopped improving
-
-
-def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of train.lr for 0-based `step`: linear warmup to 1, then cosine down to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A run's learning-rate multiplier per 0-based step: `lr_factor`, and what an extension makes of it.
-
-    A resume that changes train.steps (an extension) continues from the rate the run had reached:
-    from `bend` (the last step before the resume) on, a cosine from that step's factor `bend_factor`
-    down to min_ratio at the new `total`. So the rate never jumps at a resume; a finished run, extended,
-    goes on at its floor. (A fresh warmup and cosine is a new run: --init from the checkpoint.) A run
-    still warming up keeps its warmup, which does not depend on train.steps, and a cosine to the new end.
-    Checkpoints carry it (`checkpoint_payload`), so a second extension bends the first one's curve.
-    """
-    total: int
-    warmup: int
-    min_ratio: float
-    bend: int = -1            # -1: the plain schedule; steps before `bend` are done, their factor unused
-    bend_factor: float = 1.0
-
-    def __call__(self, step: int) -> float:
-        if self.bend < 0 or step < self.bend:
-            return lr_factor(step, self.total, self.warmup, self.min_ratio)
-        progress = min(1.0, (step - self.bend) / max(1, self.total - self.bend))
-        return self.min_ratio + (self.bend_factor - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def extended(self, step: int, total: int) -> "Schedule":
-        """This schedule for a run resumed after `step` steps with train.steps = `total`."""
-        if total == self.total:
-            return self
-        if step <= self.warmup and self.bend < 0:
-            return dataclasses.replace(self, total=total)
-        return Schedule(total=total, warmup=self.warmup, min_ratio=self.min_ratio, bend=step - 1,
-                        bend_factor=self(step - 1))
-
-
-# ------------------------------------------------------------------------------------ resuming
-
-def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, str]:
-    """(config, profile name) of the run in `run_dir`, with `--set` of RESUMABLE_KEYS applied.
-
-    Reads run.json (cheap); `train` checks it against last.pt, which is the truth.
-    """
-    run_dir = Path(run_dir)
-    if not (run_dir / "run.json").is_file():
-        raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
-    info = read_run_info(run_dir)
-    cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key not in RESUMABLE_KEYS:
-            raise ConfigError(f"--set {key}: cannot be changed when resuming (only "
-                              f"{', '.join(RESUMABLE_KEYS)} may)", key)
-    return apply_overrides(cfg, overrides), info["profile"]
-
-
-def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
-    new, old = config_to_dict(cfg), config_to_dict(saved)
-    for section, table in old.items():
-        for key, value in table.items():
-            if f"{section}.{key}" not in RESUMABLE_KEYS and new[section][key] != value:
-                raise ConfigError(f"{section}.{key} = {new[section][key]!r} differs from the resumed "
-                                  f"run's {value!r} ({source}); only {', '.join(RESUMABLE_KEYS)} may "
-                                  "change on resume", f"{section}.{key}")
-
-
-def _open_checkpoint(run_dir: Path, cfg: Config) -> dict:
-    """last.pt of the run to resume, checked against `cfg` and `train.steps`."""
-    ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
-    _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
-                          str(run_dir / "last.pt"))
-    # At train.steps with its evaluation still due (Ctrl-C stopped it), the resume only runs that.
-    if ckpt["step"] > cfg.train.steps or (ckpt["step"] == cfg.train.steps
-                                          and not ckpt["meter"].get("eval_due", False)):
-        raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
-                          f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
-    return ckpt
-
-
-def corpus_summary(corpus) -> dict:
-    """What identifies and describes a run's corpus: in run.json and in every checkpoint."""
-    return {"content_key": corpus.content_key, "files": len(corpus.sources), "vocab_size": corpus.vocab.size,
-            "train_chars": corpus.train_chars, "heldout_chars": corpus.heldout_chars,
-            "heldout_files": list(corpus.heldout_sources)}
-
-
-def describe_corpus(corpus, path: str) -> str:
-    """One line for the start of a run: what it trains on and what it holds out."""
-    where = path or "the standard library's .py files"
-    held = (f"{len(corpus.heldout_sources)} whole files ({', '.join(corpus.heldout_sources[:4])}"
-            f"{', ...' if len(corpus.heldout_sources) > 4 else ''})" if corpus.heldout_sources
-            else "the end of the text")
-    return (f"data: {where}: {len(corpus.sources)} file(s), {corpus.train_chars:,} training characters, "
-            f"vocabulary {corpus.vocab.size}; held out: {held}, {corpus.heldout_chars:,} characters")
-
-
-def _check_same_corpus(corpus, ckpt: dict, path: str, source: Path) -> None:
-    """A resume trains on the run's corpus: the same content key (files, bytes, split options)."""
-    saved = (ckpt.get("corpus") or {}).get("content_key")
-    if saved is None:  # format 1 did not record it
-        return
-    data = config_from_dict(ckpt["config"], source=str(source)).data
-    run_path = data.path
-    if saved != corpus.content_key and not (  # a renamed copy of a one-file corpus is the same corpus
-            len(corpus.sources) == 1 and ckpt["corpus"]["files"] == 1 and run_path and Path(path).is_file()
-            and file_content_key(path, Path(run_path).name, data.heldout_fraction,
-                                 strip_gutenberg=data.strip_gutenberg) == saved):
-        raise DataError(f"data.path {path or '(the standard library)'}: its content (key {corpus.content_key}, "
-                        f"{len(corpus.sources)} files, {corpus.train_chars + corpus.heldout_chars:,} characters) "
-                        f"differs from the corpus of the run in {source.parent} "
-                        f"({run_path or '(the standard library)'} when it trained: key {saved}, "
-                        f"{ckpt['corpus']['files']} files, "
-                        f"{ckpt['corpus']['train_chars'] + ckpt['corpus']['heldout_chars']:,} characters); "
-                        "resume with --data pointing at the run's corpus")
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -301,7 +182,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _as_function(schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
     stacks = frozen_stacks(model)
     if tc.checkpoint_rows:
         apply_row_checkpointing(model)
@@ -330,30 +211,16 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
 
 
-def _as_function(schedule: Schedule) -> Callable[[int], float]:
-    # LambdaLR saves (and on load writes back into) the attributes of a callable object that is not a
-    # plain function: a function keeps the schedule out of the scheduler's state, which is ours to set.
-    return lambda step: schedule(step)
-
-
-def _planned_schedule(ckpt: dict) -> Schedule:
-    """The schedule a checkpoint's run trained with (checkpoints before `schedule` was saved: its config's)."""
-    if "schedule" in ckpt:
-        return Schedule(**ckpt["schedule"])
-    tc = config_from_dict(ckpt["config"], source="checkpoint").train
-    return Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
-
-
 def restore_training(training: Training, ckpt: dict) -> str | None:
     """Model, optimizer, scheduler and RNG from a checkpoint, and the schedule the run goes on with
     (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
     training.model.load_state_dict(ckpt["model"])
     training.optimizer.load_state_dict(ckpt["optimizer"])
     training.scheduler.load_state_dict(ckpt["scheduler"])
-    planned, step = _planned_schedule(ckpt), ckpt["step"]
+    planned, step = planned_schedule(ckpt), ckpt["step"]
     schedule = planned.extended(step, training.schedule.total)
     training.schedule = schedule
-    training.scheduler.lr_lambdas = [_as_function(schedule) for _ in training.optimizer.param_groups]
+    training.scheduler.lr_lambdas = [as_function(schedule) for _ in training.optimizer.param_groups]
     # The next lr from the schedule, not the optimizer's saved one: the same value, to the bit, unless
     # the run was extended.
     for group, base_lr in zip(training.optimizer.param_groups, training.scheduler.base_lrs):
@@ -521,7 +388,7 @@ class Trainer:
             rank, world_size)
         self.vocab = self.corpus.vocab
         if ckpt is not None:
-            _check_same_corpus(self.corpus, ckpt, data.path, self.folder.last)
+            check_same_corpus(self.corpus, ckpt, data.path, self.folder.last)
         tc, mc = cfg.train, cfg.model
         self.eval_batches = heldout_batches(self.corpus.heldout_ids, tc.batch_size, mc.context, tc.eval_batches,
                                             tc.seed, rank, world_size)
@@ -559,7 +426,7 @@ class Trainer:
             if self.is_main:
                 self.folder.claim()  # before reading last.pt: no other process may move it on
             try:
-                return _open_checkpoint(self.folder.path, self.cfg)
+                return open_checkpoint(self.folder.path, self.cfg)
             except BaseException:
                 self.folder.close()
                 raise

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 import warnings

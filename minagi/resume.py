@@ -1,0 +1,91 @@
+"""What a resumed run checks before it goes on: its config (only RESUMABLE_KEYS may change), its
+checkpoint against the steps asked for, and its corpus (the same content, wherever it is now)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import load_checkpoint
+from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
+    upgrade_config_dict
+from .data import DataError, file_content_key
+from .runlog import read_run_info
+
+__all__ = ["check_same_corpus", "corpus_summary", "describe_corpus", "open_checkpoint", "resume_config"]
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, str]:
+    """(config, profile name) of the run in `run_dir`, with `--set` of RESUMABLE_KEYS applied.
+
+    Reads run.json (cheap); `train` checks it against last.pt, which is the truth.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
+    info = read_run_info(run_dir)
+    cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key not in RESUMABLE_KEYS:
+            raise ConfigError(f"--set {key}: cannot be changed when resuming (only "
+                              f"{', '.join(RESUMABLE_KEYS)} may)", key)
+    return apply_overrides(cfg, overrides), info["profile"]
+
+
+def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
+    new, old = config_to_dict(cfg), config_to_dict(saved)
+    for section, table in old.items():
+        for key, value in table.items():
+            if f"{section}.{key}" not in RESUMABLE_KEYS and new[section][key] != value:
+                raise ConfigError(f"{section}.{key} = {new[section][key]!r} differs from the resumed "
+                                  f"run's {value!r} ({source}); only {', '.join(RESUMABLE_KEYS)} may "
+                                  "change on resume", f"{section}.{key}")
+
+
+def open_checkpoint(run_dir: Path, cfg: Config) -> dict:
+    """last.pt of the run to resume, checked against `cfg` and `train.steps`."""
+    ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
+    _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
+                          str(run_dir / "last.pt"))
+    # At train.steps with its evaluation still due (Ctrl-C stopped it), the resume only runs that.
+    if ckpt["step"] > cfg.train.steps or (ckpt["step"] == cfg.train.steps
+                                          and not ckpt["meter"].get("eval_due", False)):
+        raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
+                          f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
+    return ckpt
+
+
+def corpus_summary(corpus) -> dict:
+    """What identifies and describes a run's corpus: in run.json and in every checkpoint."""
+    return {"content_key": corpus.content_key, "files": len(corpus.sources), "vocab_size": corpus.vocab.size,
+            "train_chars": corpus.train_chars, "heldout_chars": corpus.heldout_chars,
+            "heldout_files": list(corpus.heldout_sources)}
+
+
+def describe_corpus(corpus, path: str) -> str:
+    """One line for the start of a run: what it trains on and what it holds out."""
+    where = path or "the standard library's .py files"
+    held = (f"{len(corpus.heldout_sources)} whole files ({', '.join(corpus.heldout_sources[:4])}"
+            f"{', ...' if len(corpus.heldout_sources) > 4 else ''})" if corpus.heldout_sources
+            else "the end of the text")
+    return (f"data: {where}: {len(corpus.sources)} file(s), {corpus.train_chars:,} training characters, "
+            f"vocabulary {corpus.vocab.size}; held out: {held}, {corpus.heldout_chars:,} characters")
+
+
+def check_same_corpus(corpus, ckpt: dict, path: str, source: Path) -> None:
+    """A resume trains on the run's corpus: the same content key (files, bytes, split options)."""
+    saved = (ckpt.get("corpus") or {}).get("content_key")
+    if saved is None:  # format 1 did not record it
+        return
+    data = config_from_dict(ckpt["config"], source=str(source)).data
+    run_path = data.path
+    if saved != corpus.content_key and not (  # a renamed copy of a one-file corpus is the same corpus
+            len(corpus.sources) == 1 and ckpt["corpus"]["files"] == 1 and run_path and Path(path).is_file()
+            and file_content_key(path, Path(run_path).name, data.heldout_fraction,
+                                 strip_gutenberg=data.strip_gutenberg) == saved):
+        raise DataError(f"data.path {path or '(the standard library)'}: its content (key {corpus.content_key}, "
+                        f"{len(corpus.sources)} files, {corpus.train_chars + corpus.heldout_chars:,} characters) "
+                        f"differs from the corpus of the run in {source.parent} "
+                        f"({run_path or '(the standard library)'} when it trained: key {saved}, "
+                        f"{ckpt['corpus']['files']} files, "
+                        f"{ckpt['corpus']['train_chars'] + ckpt['corpus']['heldout_chars']:,} characters); "
+                        "resume with --data pointing at the run's corpus")
