@@ -4,15 +4,13 @@ import pytest
 import torch
 
 from minagi.config import load_config
-from minagi.data import get_batch
 from minagi.dense import DenseMLP, dense_swiglu
 from minagi.dispatch import GROUPED_MM
 from minagi.loading import load_trained
 from minagi.model import build_model
 from minagi.sampling import generate
 from minagi.trainer import resume_config, train
-from tiny import new_pool, run_tiny
-from minagi import trainer
+from tiny import interrupt_at, new_pool, run_tiny
 
 D, F_ = 16, 24
 PATHS = ["loop", "grouped", "rectangle"] + (["native"] if GROUPED_MM is not None else [])
@@ -94,12 +92,8 @@ def test_the_dense_twin_writes_and_records_no_sinks(dense_run):
 
 
 def test_the_dense_twin_resumes_to_the_uninterrupted_losses(tmp_path, data_path, monkeypatch, dense_run):
-    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
-        if step == 4:
-            raise KeyboardInterrupt
-        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
     with monkeypatch.context() as m:
-        m.setattr(trainer, "get_batch", interrupting)
+        interrupt_at(m, 4)
         first = run_tiny(tmp_path, None, "model.mlp=dense", run_name="cut")
     assert first.interrupted and first.step == 4
     cfg, profile = resume_config(first.run_dir)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from minagi import recompute, trainer
+from minagi import recompute
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
 from minagi.frozen import FrozenExpertStack, FrozenStack, dequant_summary, frozen_stacks
@@ -18,7 +18,7 @@ from minagi.recompute import PinPolicy, apply_row_checkpointing, clear_stale_slo
 from minagi.runlog import read_history
 from minagi.sampling import generate
 from minagi.trainer import resume_config, train
-from tiny import run_tiny
+from tiny import interrupt_at, run_tiny
 
 PATHS = ["loop", "grouped", "rectangle", "native"]
 CFG = ModelConfig(n_rows=2, d_model=32, n_heads=2, context=16)
@@ -210,14 +210,8 @@ def test_init_quantizes_a_trained_runs_stacks_and_lora_lowers_the_held_out_loss(
 
 def test_a_frozen_run_resumes_exactly_and_writes(trained, monkeypatch):
     tmp, base, frozen = trained
-    from minagi.data import get_batch
-
-    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
-        if step == 8:
-            raise KeyboardInterrupt
-        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
     with monkeypatch.context() as m:
-        m.setattr(trainer, "get_batch", interrupting)
+        interrupt_at(m, 8)
         cut = train(_frozen_cfg(tmp, "cut"), "tiny", progress=False, log=lambda msg: None, argv=["test"],
                     init=base.run_dir / "best.pt")
     assert cut.interrupted and cut.step == 8

@@ -23,11 +23,10 @@ import train as train_py
 from minagi import devices, runlog, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
-from minagi.data import get_batch
 from minagi.model import CharLM
 from minagi.runlog import HISTORY_FIELDS, History, read_history
 from minagi.trainer import NonFiniteLossError, lr_factor, resume_config, train
-from tiny import TINY, run_tiny, tiny_argv, tiny_cfg, tiny_text, write_tiny_text
+from tiny import TINY, interrupt_at, run_tiny, tiny_argv, tiny_cfg, tiny_text, write_tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,21 +100,12 @@ def test_lr_warms_up_linearly_then_follows_cosine_to_its_floor():
 
 # ------------------------------------------------------------------------------ resume
 
-def _interrupt_at(monkeypatch, at_step: int) -> None:
-    """Ctrl-C as the loop fetches the batch of 0-based step `at_step` (after `at_step` steps)."""
-    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
-        if step == at_step:
-            raise KeyboardInterrupt
-        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
-    monkeypatch.setattr(trainer, "get_batch", interrupting)
-
-
 def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp_path, data_path, monkeypatch):
     extra = ("train.steps=8", "train.eval_every=2")
     full = run_tiny(tmp_path, data_path, *extra, run_name="full")
 
     with monkeypatch.context() as m:
-        _interrupt_at(m, 5)
+        interrupt_at(m, 5)
         first = run_tiny(tmp_path, data_path, *extra, run_name="cut")
     assert first.interrupted and first.step == 5
     assert load_checkpoint(first.run_dir / "last.pt")["step"] == 5
@@ -146,7 +136,7 @@ def test_dropout_changes_training_not_evaluation_and_a_resume_draws_the_same_mas
     full = run_tiny(tmp_path, data_path, *extra, run_name="full")
     assert full.losses[0] != pytest.approx(golden.losses[0], abs=1e-4)  # masks in training
     with monkeypatch.context() as m:
-        _interrupt_at(m, 4)
+        interrupt_at(m, 4)
         first = run_tiny(tmp_path, data_path, *extra, run_name="cut")
     cfg, profile = resume_config(first.run_dir)
     second = train(cfg, profile, first.run_dir, progress=False, log=lambda msg: None, argv=["test"])
@@ -221,7 +211,7 @@ def test_extending_a_run_continues_the_learning_rate_it_had_reached_without_a_ju
     again = run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="again")
     lrs.clear()
     with monkeypatch.context() as m:
-        _interrupt_at(m, 8)
+        interrupt_at(m, 8)
         train(*resume_config(again.run_dir, ["train.steps=10"]), again.run_dir, progress=False,
               log=lambda msg: None, argv=["test"])
     train(*resume_config(again.run_dir), again.run_dir, progress=False, log=notes.append, argv=["test"])
@@ -230,7 +220,7 @@ def test_extending_a_run_continues_the_learning_rate_it_had_reached_without_a_ju
 
 def test_a_resume_continues_the_random_streams_the_checkpoint_saved(tmp_path, data_path, monkeypatch):
     with monkeypatch.context() as m:
-        _interrupt_at(m, 3)
+        interrupt_at(m, 3)
         cut = run_tiny(tmp_path, data_path)
     saved = load_checkpoint(cut.run_dir / "last.pt")["rng"]
     random.seed(99)  # another process, with a history of its own
@@ -444,7 +434,7 @@ def test_minagi_swiglu_bad_value_is_a_one_line_error():
 def test_train_py_exit_codes_for_resume_misuse_nan_and_ctrl_c(tmp_path, data_path, monkeypatch, capsys):
     base = ["--profile", str(_tiny_profile(tmp_path)), "--data", str(data_path)]
     with monkeypatch.context() as m:
-        _interrupt_at(m, 2)
+        interrupt_at(m, 2)
         assert train_py.main([*base, "--run-name", "cut"]) == 130
     run_dir = tmp_path / "runs" / "cut"
     assert load_checkpoint(run_dir / "last.pt")["step"] == 2
@@ -477,7 +467,7 @@ def test_a_second_ctrl_c_while_the_first_is_saving_says_what_last_pt_still_holds
             raise KeyboardInterrupt
         return real_save(obj, f, *args, **kwargs)
     with monkeypatch.context() as m:
-        _interrupt_at(m, 3)
+        interrupt_at(m, 3)
         m.setattr(torch, "save", save)
         assert train_py.main(tiny_argv(tmp_path, data_path, "train.eval_every=2", run_name="twice")) == 130
     out, err = capsys.readouterr()

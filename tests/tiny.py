@@ -55,3 +55,15 @@ def new_pool(d_model: int, d_expert: int, n_experts: int, top_k: int, path: str 
     from minagi.pool import PooledMLP
     cfg = PoolConfig(n_experts=n_experts, top_k=top_k, d_expert=d_expert, **pool_settings)
     return PooledMLP(d_model, cfg, path)
+
+
+def interrupt_at(monkeypatch, at_step: int) -> None:
+    """Ctrl-C as the training loop fetches the batch of 0-based step `at_step` (after `at_step` steps)."""
+    from minagi import trainer
+    from minagi.data import get_batch
+
+    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
+        if step == at_step:
+            raise KeyboardInterrupt
+        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
+    monkeypatch.setattr(trainer, "get_batch", interrupting)
