@@ -327,7 +327,8 @@ def test_interrupted_checkpoint_write_leaves_the_previous_checkpoint_loadable(tm
     assert not list(run_dir.glob("*.tmp-*"))
 
 
-def _nan_at_training_call(monkeypatch, n: int) -> None:
+def _spoil_training_call(monkeypatch, n: int, spoil=lambda model, loss: loss * float("nan")) -> None:
+    """The n-th training forward's loss replaced by spoil(model, loss) (default: NaN)."""
     real = CharLM.forward
     calls = [0]
 
@@ -336,9 +337,13 @@ def _nan_at_training_call(monkeypatch, n: int) -> None:
         if self.training:
             calls[0] += 1
             if calls[0] == n:
-                return out._replace(loss=out.loss * float("nan"))
+                return out._replace(loss=spoil(self, out.loss))
         return out
     monkeypatch.setattr(CharLM, "forward", forward)
+
+
+def _nan_at_training_call(monkeypatch, n: int) -> None:
+    _spoil_training_call(monkeypatch, n)
 
 
 def test_nan_loss_stops_at_its_step_and_leaves_the_checkpoints_of_the_step_before(tmp_path, data_path,
@@ -357,18 +362,8 @@ def test_nan_loss_stops_at_its_step_and_leaves_the_checkpoints_of_the_step_befor
 
 def test_a_gradient_norm_that_is_not_finite_stops_before_updating_even_with_a_finite_loss(tmp_path, data_path,
                                                                                          monkeypatch):
-    real = CharLM.forward
-    calls = [0]
-
-    def forward(self, idx, targets=None, cache=None):
-        out = real(self, idx, targets, cache)
-        if self.training:
-            calls[0] += 1
-            if calls[0] == 3:  # sqrt'(0) is inf: a zero added to the loss, with a NaN gradient
-                p = next(self.parameters())
-                return out._replace(loss=out.loss + torch.sqrt(p.sum() * 0.0) * 0.0)
-        return out
-    monkeypatch.setattr(CharLM, "forward", forward)
+    # sqrt'(0) is inf: a zero added to the loss, with a NaN gradient.
+    _spoil_training_call(monkeypatch, 3, lambda model, loss: loss + torch.sqrt(next(model.parameters()).sum() * 0.0) * 0.0)
     with pytest.raises(NonFiniteLossError, match=r"^step 3: gradient norm is not finite \(loss 3\.\d+, aux "):
         run_tiny(tmp_path, data_path, "train.eval_every=1")
     last = load_checkpoint(tmp_path / "runs" / "run" / "last.pt")
