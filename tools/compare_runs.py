@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.runlog import read_history  # noqa: E402
+from plot_history import HistoryError, _num  # noqa: E402  (the history plots' own: one error, one NaN rule)
 
 COMPARE_PNG = "compare.png"
 FIG_INCHES = (16, 6)
@@ -29,15 +30,6 @@ DPI = 100
 LN2 = math.log(2.0)
 FIELDS = ("step", "chars_seen", "heldout_loss", "wall_s")
 MATPLOTLIB_MISSING = "compare_runs needs matplotlib for the PNG: pip install matplotlib (or --no-png)"
-
-
-class HistoryError(ValueError):
-    """No run folder, no history.jsonl, or no usable records in it; one line naming the path."""
-
-
-def _num(value) -> float:
-    """A history number as a float; None (a non-finite value, or absent) becomes NaN: a gap in the line."""
-    return math.nan if value is None else float(value)
 
 
 def load_run(run: str | Path) -> list[dict]:
