@@ -347,6 +347,11 @@ class Config:
                                   f"got {type(value).__name__}", f.name)
         if self.experts.frozen and self.model.mlp == "dense":
             raise ConfigError("experts.frozen = true needs pooled experts: model.mlp is \"dense\"", "experts.frozen")
+        per_expert = self.model.d_model * self.pool.d_expert  # down's weights; gate_up holds twice as many
+        if self.experts.frozen and self.experts.quant == "nf4" and per_expert % (2 * self.experts.blocksize):
+            raise ConfigError(f"experts.blocksize = {self.experts.blocksize} is impossible: an expert's "
+                              f"{self.model.d_model} x {self.pool.d_expert} weights must fill whole NF4 blocks "
+                              f"(a multiple of 2 x blocksize = {2 * self.experts.blocksize})", "experts.blocksize")
 
     @property
     def dense_width(self) -> int:

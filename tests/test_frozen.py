@@ -247,3 +247,10 @@ def test_init_from_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(t
         init_from_checkpoint(model, payload, base.run_dir / "best.pt")
     message = str(err.value)
     assert "\n" not in message and "best.pt: " in message and ("embed.weight" in message or "experts" in message)
+
+
+def test_a_blocksize_experts_cannot_fill_is_a_one_line_config_error():
+    from minagi.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"--set experts.blocksize: experts.blocksize = 4096 is impossible: an "
+                                          r"expert's 32 x 32 weights must fill whole NF4 blocks"):
+        load_config(None, ["model.d_model=32", "pool.d_expert=32", "experts.frozen=true", "experts.blocksize=4096"])
