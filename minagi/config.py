@@ -199,9 +199,11 @@ class PoolConfig(_Section):
     bias_update_rate: float = 1e-3
     sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
     swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
+    expert_dropout: float = 0.0  # training: each chosen expert's output dropped with this chance (gates rescaled)
 
     def _validate(self) -> None:
         self._at_least(1, "n_experts", "top_k", "d_expert")
+        _require(0 <= self.expert_dropout < 1, "pool.expert_dropout", self.expert_dropout, "must be in [0, 1)")
         _require(self.top_k <= self.n_experts, "pool.top_k", self.top_k,
                  f"top_k must be <= n_experts ({self.n_experts})", ("pool.n_experts",))
         self._at_least(0, "capacity_factor", "balance_coef", "z_loss_coef", "bias_update_rate")
@@ -242,6 +244,7 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     warmup_steps: int = 30
     weight_decay: float = 0.1
+    expert_weight_decay: float = -1.0  # on the pools' expert stacks; < 0 = weight_decay
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off

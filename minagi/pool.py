@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import recompute
@@ -94,7 +95,10 @@ class PooledMLP(nn.Module):
 
     def forward(self, x_ND: Tensor) -> tuple[Tensor, MLPAux]:
         routing = self.router(x_ND)
-        y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, routing.gates_NK)
+        gates_NK = routing.gates_NK
+        if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
+            gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)
+        y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK)
         return y_ND, MLPAux(self.aux_loss(routing), counts)
 
     def aux_loss(self, routing) -> Tensor:

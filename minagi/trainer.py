@@ -179,7 +179,8 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
                         experts=cfg.experts, init_frozen=init_frozen)
-    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr,
+    expert_wd = tc.expert_weight_decay if tc.expert_weight_decay >= 0 else None
+    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, expert_wd), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))

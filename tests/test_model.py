@@ -66,3 +66,31 @@ def test_param_groups_keep_norms_out_of_weight_decay():
     assert norm_params and norm_params <= {id(p) for p in no_decay["params"]}
     assert not norm_params & {id(p) for p in decay["params"]}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_expert_stacks_decay_apart_only_when_asked():
+    model = CharLM(CFG, POOL, vocab_size=5)
+    assert len(model.param_groups(0.1, 0.1)) == 2  # the same decay: the two groups of older checkpoints
+    rest, experts, plain = model.param_groups(0.1, 0.5)
+    stacks = {id(p) for pool in model.pools() for p in pool.experts.parameters()}
+    assert {id(p) for p in experts["params"]} == stacks and experts["weight_decay"] == 0.5
+    assert not stacks & {id(p) for p in rest["params"]} and rest["weight_decay"] == 0.1
+    assert sum(len(g["params"]) for g in (rest, experts, plain)) == len(list(model.parameters()))
+
+
+def test_expert_dropout_drops_chosen_experts_in_training_only():
+    from dataclasses import replace
+    from minagi.pool import PooledMLP
+    torch.manual_seed(0)
+    pool = PooledMLP(16, replace(POOL, expert_dropout=0.5), "loop")
+    x = torch.randn(64, 16)
+    pool.eval()
+    want, _ = pool(x)
+    pool.train()
+    torch.manual_seed(1)
+    dropped, _ = pool(x)
+    torch.manual_seed(1)
+    again, _ = pool(x)
+    assert torch.equal(dropped, again)  # the mask follows the RNG: DDP and resume see the same
+    assert not torch.allclose(dropped, want)
+    assert torch.equal(pool.eval()(x)[0], want)
