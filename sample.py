@@ -76,6 +76,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "stream i uses seed + i and writes what it would alone with that seed")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="capture the one-character step in a CUDA graph: auto = on a CUDA device (default)")
+    p.add_argument("--offload-read", choices=("auto", "experts", "rows"), default="auto",
+                   help="offloaded frozen experts: read only each step's chosen experts from CPU memory "
+                        "(experts), or stage whole rows (rows); auto = experts while streams x top_k < "
+                        "n_experts (default)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
+                        "per character after a compile of some seconds; for long writing (docs/sampling.md)")
     p.add_argument("--chars", type=_non_negative_int, default=500, help="characters to write (default 500)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=0,
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from minagi.data import VocabError
     from minagi.devices import DeviceError, choose_device
     from minagi.loading import load_trained
-    from minagi.sampling import SamplingError, resolve_graphs, write
+    from minagi.sampling import SamplingError, resolve_graphs, resolve_offload_read, write
     try:
         path = resolve_checkpoint(args.checkpoint)
         device = choose_device(args.device, option="--device")
@@ -164,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = choose_prompts(args, vocab)
         try:
             chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,
-                          window=args.window, keep=args.keep, graphs=args.graphs,
+                          window=args.window, keep=args.keep, graphs=args.graphs, offload_read=args.offload_read,
+                          compiled=args.compile,
                           sync_every=1 if len(prompts) == 1 else 16)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None
@@ -177,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
 
     mlp = f"{model.pool_cfg.n_experts} experts" if model.cfg.mlp == "pooled" else "dense"
     streams = f", {len(prompts)} streams" if len(prompts) > 1 else ""
+    read = resolve_offload_read(args.offload_read, model, len(prompts))
+    graphs = "on" if resolve_graphs(args.graphs, device, model, read) else "off"
+    offload = f", offloaded experts read by {read}" if read else ""
     print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, {vocab.size} characters, context "
-          f"{model.cfg.context}, on {device.type}, graphs {'on' if resolve_graphs(args.graphs, device, model) else 'off'}"
-          f"{streams}", file=err, flush=True)
+          f"{model.cfg.context}, on {device.type}, graphs {graphs}{streams}{offload}", file=err, flush=True)
     if len(prompts) == 1:
         return _stream_one(chars, prompts[0], args, out, err)
     return _write_many(chars, prompts, args, out, err)

@@ -14,11 +14,14 @@ MLP, samples on the device and advances `pos_B`, `tok_B` and the noise slot. Its
 change and it has no host sync and no Python branch on data, so one CUDA graph replays it for every
 character (`graphs=True`): the kernels the eager step launches, in the same buffers, nothing copied.
 
+The step's math is minagi/decode_step.py: functions of tensors only, so that `compiled=True` can hand
+them to torch.compile (fused kernels; the in-place cache writes and the attention stay eager here).
 The expert path is gpt-fast's (mixtral-moe): route, gather the top_k chosen experts' weights of each
-routed row through the expert-weights seam (`stack.weights(dtype, experts=ids_S)`: [S, D, 2F],
-[S, F, D]; frozen NF4 stacks dequantize just those experts) and multiply per routed row with bmm.
-One character reads top_k experts; no sort, no counts, no host sync. Writing is dropless and
-computes no aux terms. The dense twin is one SwiGLU.
+routed row (frozen NF4 stacks, through the expert-weights seam, dequantize just those experts) and
+multiply per routed row with bmm: no sort, no counts, no host sync. That reads an expert once per
+stream that chose it, so with many streams, where the pool's own path is torch's grouped GEMM
+("native") and the stack is resident, the step runs that path instead (each chosen expert read once
+a step, however many streams chose it; its sort and counts make no host sync either). Writing is dropless and computes no aux terms. The dense twin is one SwiGLU.
 
 A window's characters but the last are *prefilled* by the model's own forward (outside the graph,
 its usual dispatch) and copied into the stream's slots; the last is the next step's input. The
@@ -33,15 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dense import DenseMLP, dense_swiglu
+from . import decode_step
+from .decode_step import MLPWeights
+from .dense import DenseMLP
 from .devices import autocast
 from .experts import ExpertStack
 from .gumbel import gumbel_noise, pick, stream_keys
 from .model import CharLM, rope_tables
-from .pool import PooledMLP, compute_dtype
-from .swiglu import swiglu_eager
+from .pool import PooledMLP
 
-__all__ = ["Decoder", "inference"]
+__all__ = ["EXPERT_PATHS", "Decoder", "inference"]
+
+EXPERT_PATHS = ("auto", "gathered", "grouped")
 
 _WARMUP_STEPS = 3          # eager steps before a capture: cuBLAS handles, allocations, Triton tables
 _NOISE_ELEMENTS = 1 << 22  # noise table size that sets C (steps of noise made at once), within 16..256
@@ -74,62 +80,41 @@ def inference(model: CharLM, device: torch.device):
             model.train()
 
 
-class _CastStack:
-    """A trainable stack held once in the writing dtype (bf16 on CUDA), so that each character reads
-    its top_k experts in that dtype instead of reading fp32 and casting. Same `weights` contract."""
-
-    def __init__(self, stack: ExpertStack, dtype: torch.dtype):
-        self.gate_up, self.down = stack.gate_up.detach().to(dtype), stack.down.detach().to(dtype)
-
-    def weights(self, dtype: torch.dtype, experts: Tensor) -> tuple[Tensor, Tensor]:
-        return self.gate_up.index_select(0, experts).to(dtype), self.down.index_select(0, experts).to(dtype)
-
-
-def rope_step(x: Tensor, cos_d: Tensor, sin_d: Tensor) -> Tensor:
-    """model.apply_rope's rotation, bit for bit, in fewer kernels: x cos + roll(x) sin, with tables
-    cos_d = [cos, cos] and sin_d = [-sin, sin] ([..., Dh], broadcast against x [..., Dh])."""
-    x_f = x.float()
-    return (x_f * cos_d + x_f.roll(x.shape[-1] // 2, -1) * sin_d).to(x.dtype)
-
-
-def routed_step(pool: PooledMLP, stack, x_BD: Tensor) -> Tensor:
-    """[B, D] -> [B, D] in the compute dtype: each character through its top_k experts, one bmm pair
-    over the S routed rows. (The residual add promotes it: the same bits as casting first.)"""
-    routing = pool.router(x_BD)
-    B, D = x_BD.shape
-    K = routing.expert_ids_NK.shape[1]
-    dtype = compute_dtype(x_BD)
-    gate_up_SDF2, down_SFD = stack.weights(dtype, experts=routing.expert_ids_NK.reshape(-1))
-    x_S1D = x_BD.to(dtype)[:, None, :].expand(B, K, D).reshape(B * K, 1, D)
-    act_S1F = swiglu_eager(torch.bmm(x_S1D, gate_up_SDF2), routing.gates_NK.to(dtype).reshape(B * K, 1))
-    return torch.bmm(act_S1F, down_SFD).view(B, K, D).sum(1)  # the K outputs in routing order, as combine
-
-
-def dense_step(gate_up_DH2: Tensor, down_HD: Tensor, x_BD: Tensor) -> Tensor:
-    """[B, D] -> [B, D] in the compute dtype: DenseMLP's SwiGLU."""
-    return dense_swiglu(x_BD.to(compute_dtype(x_BD)), gate_up_DH2, down_HD)
-
-
 class Decoder:
     """B streams of `model` over a window of W positions: prefill, advance one character, read back.
 
     seeds: one per stream (its noise, minagi/gumbel.py). temperature / top_k: as `gumbel.pick`.
     graphs: capture the step in a CUDA graph (the model must be on a CUDA device).
+    expert_path: `gathered` (each routed row's experts gathered, as gpt-fast), `grouped` (the grouped
+    GEMM on the whole resident stacks), or `auto`: grouped where the pool itself runs torch's
+    grouped GEMM ("native") on a trainable stack and streams x top_k >= 2 x n_experts, else
+    gathered (docs/benchmarks.md §11). Gathered, a stream's bits never depend on the others; grouped,
+    they may by bf16 rounding (the GEMM's tiling follows how many rows each expert has).
+    compiled: run the step's pieces (minagi/decode_step.py) through torch.compile: fewer, fused
+    kernels for a first-use compile (CUDA only, resident experts only).
     The decoder copies no state back into the model; build a new one after the weights change
     (on CUDA it holds bf16 copies of the matmul weights).
     """
 
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, temperature: float = 0.0,
-                 top_k: int = 0, graphs: bool = False):
+                 top_k: int = 0, graphs: bool = False, expert_path: str = "auto", compiled: bool = False):
         device = model.embed.weight.device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
+        if expert_path not in EXPERT_PATHS:
+            raise ValueError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
+        if compiled and device.type != "cuda":
+            raise ValueError(f"a compiled step needs a CUDA device (Triton); the model is on {device.type}")
+        self.expert_path = expert_path
+        self.qkv_step, self.tail_step, self.head_step = (
+            _compiled_pieces() if compiled else (decode_step.qkv_step, decode_step.tail_step, decode_step.head_step))
         cfg = model.cfg
         self.model, self.device, self.window = model, device, window
         self.temperature, self.top_k = temperature, top_k
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what autocast computes in
         B, W, V = len(seeds), window, model.vocab_size
+        self.n_streams = B
         self.chunk = max(16, min(256, _NOISE_ELEMENTS // (B * V)))
         with torch.inference_mode():
             shape = (cfg.n_rows, B, cfg.n_heads, W, cfg.head_dim)
@@ -157,35 +142,47 @@ class Decoder:
         """The matmul weights in the writing dtype, once (on the CPU these are the parameters themselves)."""
         def cast(w: Tensor) -> Tensor:
             return w.detach().to(self.dtype)
-        rows = self.model.rows
+        rows, model = self.model.rows, self.model
         self.w_qkv = [cast(row.attn.qkv.weight) for row in rows]
         self.w_proj = [cast(row.attn.proj.weight) for row in rows]
-        self.w_head = cast(self.model.head.weight)
-        self.mlps = []
-        for row in rows:
-            if isinstance(row.mlp, PooledMLP):
-                stack = row.mlp.experts
-                if isinstance(stack, ExpertStack) and stack.gate_up.dtype != self.dtype:
-                    stack = _CastStack(stack, self.dtype)
-                self.mlps.append(lambda x, pool=row.mlp, stack=stack: routed_step(pool, stack, x))
-            elif isinstance(row.mlp, DenseMLP):
-                self.mlps.append(lambda x, gu=cast(row.mlp.gate_up), dn=cast(row.mlp.down): dense_step(gu, dn, x))
-            else:
-                raise ValueError(f"cannot decode a row whose MLP is a {type(row.mlp).__name__}")
+        self.w_head = cast(model.head.weight)
+        norm = lambda m: (m.weight.detach(), m.eps)  # noqa: E731
+        self.attn_norms, self.mlp_norms = [norm(r.attn_norm) for r in rows], [norm(r.mlp_norm) for r in rows]
+        self.final_norm = norm(model.final_norm)
+        self.mlps = [self._mlp(row.mlp, cast) for row in rows]
+
+    def _mlp(self, mlp, cast) -> MLPWeights:
+        if isinstance(mlp, DenseMLP):
+            return MLPWeights("dense", (cast(mlp.gate_up), cast(mlp.down)))
+        if not isinstance(mlp, PooledMLP):
+            raise ValueError(f"cannot decode a row whose MLP is a {type(mlp).__name__}")
+        router = mlp.router
+        route = (router.weight.detach(), router.selection_bias if router.aux_free_bias else None)
+        if not isinstance(mlp.experts, ExpertStack):  # frozen: through the seam
+            if self.expert_path == "grouped":
+                raise ValueError("expert_path 'grouped' runs whole resident stacks; this pool's experts are "
+                                 "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
+            if self.qkv_step is not decode_step.qkv_step:
+                raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
+            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts)
+        # auto: grouped only where many streams choose each expert several times a step (there it was
+        # 1.8x faster on the H200); at batch 1 its sort and plan cost more than gathering 4 experts.
+        many = self.n_streams * mlp.cfg.top_k >= 2 * mlp.n_experts
+        grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and mlp.path == "native" and many)
+        stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
+        return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
+                          fused=mlp.cfg.swiglu == "auto")
 
     # ------------------------------------------------------------------ the step (captured)
 
-    def _attention(self, i: int, x_BD: Tensor, cos_B11d: Tensor, sin_B11d: Tensor, mask_B11W: Tensor,
-                   slots_N: Tensor) -> Tensor:
-        B, Dh = x_BD.shape[0], self.head_dim
-        qkv_B3Hd = F.linear(x_BD, self.w_qkv[i]).view(B, 3, self.n_heads, Dh)
-        qk_B2Hd = rope_step(qkv_B3Hd[:, :2], cos_B11d, sin_B11d)  # q and k rotated together
-        q, k, v = qk_B2Hd[:, 0], qk_B2Hd[:, 1], qkv_B3Hd[:, 2]  # [B, H, Dh] each
+    def _attend(self, i: int, q_BHd: Tensor, k_BHd: Tensor, v_BHd: Tensor, mask_B11W: Tensor,
+                slots_N: Tensor) -> Tensor:
+        """Write row i's new keys and values at each stream's position (in place), attend: [B, H, 1, Dh]."""
+        Dh = self.head_dim
         k_BHWd, v_BHWd = self.k_RBHWd[i], self.v_RBHWd[i]
-        k_BHWd.view(-1, Dh).index_copy_(0, slots_N, k.reshape(-1, Dh))  # in place, at each stream's pos
-        v_BHWd.view(-1, Dh).index_copy_(0, slots_N, v.reshape(-1, Dh))
-        y_BH1d = F.scaled_dot_product_attention(q.unsqueeze(2), k_BHWd, v_BHWd, attn_mask=mask_B11W)
-        return F.linear(y_BH1d.reshape(B, -1), self.w_proj[i])
+        k_BHWd.view(-1, Dh).index_copy_(0, slots_N, k_BHd.reshape(-1, Dh))
+        v_BHWd.view(-1, Dh).index_copy_(0, slots_N, v_BHd.reshape(-1, Dh))
+        return F.scaled_dot_product_attention(q_BHd.unsqueeze(2), k_BHWd, v_BHWd, attn_mask=mask_B11W)
 
     def _forward(self) -> Tensor:
         """fp32 logits [B, V] of the character after tok_B (fed at pos_B); writes its keys and values."""
@@ -196,10 +193,11 @@ class Decoder:
         mask_B11W = torch.zeros(future_BW.shape, dtype=self.dtype, device=self.device).masked_fill_(
             future_BW, -math.inf)[:, None, None, :]
         slots_N = (self.first_BH + pos_B[:, None]).view(-1)  # N = B*H rows of a cache row's [B*H*W, Dh] view
-        for i, row in enumerate(model.rows):
-            x_BD = x_BD + self._attention(i, row.attn_norm(x_BD), cos_B11d, sin_B11d, mask_B11W, slots_N)
-            x_BD = x_BD + self.mlps[i](row.mlp_norm(x_BD))
-        return F.linear(model.final_norm(x_BD), self.w_head).float()
+        for i in range(len(model.rows)):
+            q, k, v = self.qkv_step(x_BD, *self.attn_norms[i], self.w_qkv[i], cos_B11d, sin_B11d, self.n_heads)
+            y_BH1d = self._attend(i, q, k, v, mask_B11W, slots_N)
+            x_BD = self.tail_step(x_BD, y_BH1d, self.w_proj[i], *self.mlp_norms[i], self.mlps[i])
+        return self.head_step(x_BD, *self.final_norm, self.w_head)
 
     def _step(self) -> Tensor:
         """One character of every stream: forward, pick, record; the unit a CUDA graph captures."""
@@ -295,3 +293,16 @@ class Decoder:
         rows = torch.tensor([j for _, j in dest], device=self.device)
         self.k_RBHWd[:, streams, :, :n] = cache.k[:, rows].to(self.dtype)
         self.v_RBHWd[:, streams, :, :n] = cache.v[:, rows].to(self.dtype)
+
+
+_COMPILED: tuple | None = None
+
+
+def _compiled_pieces() -> tuple:
+    """qkv_step, tail_step and head_step through torch.compile, made once per process (dynamo's cache
+    then serves every decoder of the same shapes)."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = tuple(torch.compile(f, dynamic=False) for f in
+                          (decode_step.qkv_step, decode_step.tail_step, decode_step.head_step))
+    return _COMPILED

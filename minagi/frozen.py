@@ -122,9 +122,16 @@ class FrozenStack(nn.Module):
         """The stored tensors by name (on their home: the compute device, or pinned CPU memory)."""
         return {k: getattr(self, k) for k in (*self._NF4_NAMES, "weight") if hasattr(self, k)}
 
-    def nf4(self, phase: str | None = None) -> NF4Packed:
-        """The stored NF4 tensors on the compute device (staged by the stager when offloaded)."""
-        tensors = self.stager.fetch(self, phase) if self.stager is not None else self.stored()
+    def nf4(self, phase: str | None = None, chosen: bool = False) -> NF4Packed:
+        """The stored NF4 tensors on the compute device: staged a row at a time by the stager when
+        offloaded, or, for a dequant of `chosen` experts while the stager reads those in place, the
+        homes themselves (minagi/offload.py)."""
+        if self.stager is None:
+            tensors = self.stored()
+        elif chosen and self.stager.read_chosen:
+            tensors = self.stager.chosen_source(self)
+        else:
+            tensors = self.stager.fetch(self, phase)
         return NF4Packed.from_tensors(tensors, self.shape, self.blocksize)
 
     def stored_bytes(self) -> int:
@@ -173,7 +180,7 @@ class FrozenStack(nn.Module):
         if self.quant == "none":
             w = self.weight if experts is None else self.weight.index_select(0, experts)
             return w.to(dtype)
-        q = self.nf4(phase)
+        q = self.nf4(phase, chosen=experts is not None)
         with self.stats.timed(self.compute_device):
             if experts is None:
                 return dequantize_nf4(q, dtype, backend=self.backend)

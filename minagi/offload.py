@@ -15,6 +15,11 @@ alive is the dequantized stack a matmul needs, never a slot.
 
 Figures per step (`take_stats`): bytes copied host to device, the time the compute stream waited
 for copies (the H2D time compute did not hide), and the slots' resident bytes.
+
+Writing reads fewer experts than a row holds: with `read_chosen` set (minagi/sampling.py decides),
+a stack's chosen experts are read straight from its pinned home by the dequant kernel, through a
+device alias of the host memory (`host_alias`: unified addressing, no copy call, no host sync), so
+only the chosen experts' bytes cross the bus and the step stays capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -24,7 +29,34 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["OffloadStager", "attach_offload"]
+__all__ = ["OffloadStager", "attach_offload", "host_alias"]
+
+# __cuda_array_interface__ type strings; bf16 has none, so it travels as int16 and is viewed back.
+_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.float32: "<f4"}
+
+
+class _HostArray:
+    """A pinned CPU tensor described as device memory (the CUDA array interface), for torch.as_tensor."""
+
+    def __init__(self, home: Tensor):
+        self.home = home  # kept alive as long as the alias is
+        self.__cuda_array_interface__ = {"shape": tuple(home.shape), "typestr": _TYPESTR[home.dtype],
+                                         "data": (home.data_ptr(), False), "version": 3}
+
+
+def host_alias(home: Tensor, device: torch.device) -> Tensor:
+    """`home` (pinned CPU memory) as a tensor on CUDA `device`, without a copy: kernels that read it
+    read host memory across the bus (unified virtual addressing maps pinned memory into the device's
+    address space). On a CPU compute device, the home itself."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return home
+    if not home.is_pinned():
+        raise ValueError("host_alias needs pinned CPU memory (an offloaded stack's home)")
+    flat = home.reshape(-1)
+    store = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+    alias = torch.as_tensor(_HostArray(store), device=device)
+    return alias.view(flat.dtype).view(home.shape)
 
 
 class OffloadStager:
@@ -43,6 +75,8 @@ class OffloadStager:
         self.read = [self._event(), self._event()]    # the compute stream is done with the slot
         self.bytes_copied, self.waits = 0, []
         self.timing, self.copies = False, []  # timing (benchmarks): each row copy's events on the copy stream
+        self.read_chosen = False  # writing: chosen experts read from the homes in place (`chosen_source`)
+        self._aliases: dict[int, dict[str, Tensor]] = {}
 
     def _event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing) if self.device.type == "cuda" else None
@@ -60,6 +94,13 @@ class OffloadStager:
             if 0 <= ahead < len(self.rows):
                 self._stage(ahead)
         return self.slots[slot][j]
+
+    def chosen_source(self, stack) -> dict[str, Tensor]:
+        """The stack's homes as device tensors (aliases of the pinned memory, made once): a dequant of
+        chosen experts reads only their bytes from them, across the bus."""
+        if id(stack) not in self._aliases:
+            self._aliases[id(stack)] = {k: host_alias(t, self.device) for k, t in stack.stored().items()}
+        return self._aliases[id(stack)]
 
     def _stage(self, row: int) -> int:
         """The slot holding `row`, its copy issued if it was not there (evicting the other row)."""

@@ -31,13 +31,16 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .decode import Decoder, inference
+from .decode import EXPERT_PATHS, Decoder, inference
 from .gumbel import gumbel_noise, pick, stream_keys
+from .experts import ExpertStack
 from .model import CharLM
 
-__all__ = ["GRAPHS", "SamplingError", "default_keep", "default_prompt", "generate", "resolve_graphs", "write"]
+__all__ = ["GRAPHS", "OFFLOAD_READS", "SamplingError", "default_keep", "default_prompt", "generate",
+           "resolve_graphs", "resolve_offload_read", "write"]
 
 GRAPHS = ("auto", "on", "off")
+OFFLOAD_READS = ("auto", "experts", "rows")
 _NOISE_CHUNK = 64  # characters of noise made at once by `generate`
 
 
@@ -55,19 +58,41 @@ def default_keep(window: int) -> int:
     return max(1, window - window // 8)
 
 
-def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = None) -> bool:
-    """`auto` = CUDA graphs where they run (a CUDA device, experts not offloaded); `on` where they do
-    not is an error, never a fallback."""
+def _stagers(model: CharLM | None) -> list:
+    from .frozen import frozen_stacks
+    stagers = [] if model is None else [s.stager for s in frozen_stacks(model).values() if s.stager is not None]
+    return list({id(s): s for s in stagers}.values())
+
+
+def resolve_offload_read(choice: str, model: CharLM | None, streams: int = 1) -> str | None:
+    """How writing reads offloaded frozen experts (None: none are offloaded). `experts`: each step's
+    chosen experts read in place from their pinned homes (only their bytes cross the bus);
+    `rows`: every row staged whole, as training does. `auto` = experts while a step chooses fewer
+    experts a row than the row holds (streams x top_k < n_experts), else rows (docs/benchmarks.md §12)."""
+    if choice not in OFFLOAD_READS:
+        raise SamplingError(f"offload_read must be one of {', '.join(OFFLOAD_READS)}; got {choice!r}")
+    if not _stagers(model):
+        return None
+    if choice != "auto":
+        return choice
+    pool = model.pool_cfg
+    return "experts" if streams * pool.top_k < pool.n_experts else "rows"
+
+
+def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = None, offload_read: str | None = None
+                   ) -> bool:
+    """`auto` = CUDA graphs where they run (a CUDA device, offloaded experts not staged by rows); `on`
+    where they do not is an error, never a fallback. offload_read: `resolve_offload_read`'s answer."""
     if choice not in GRAPHS:
         raise SamplingError(f"graphs must be one of {', '.join(GRAPHS)}; got {choice!r}")
     if choice == "on" and device.type != "cuda":
         raise SamplingError(f"graphs 'on' needs a CUDA device (CUDA graphs); writing runs on {device.type} "
                             f"here: use 'auto' or 'off'")
-    from .frozen import frozen_stacks
-    staged = model is not None and any(s.stager is not None for s in frozen_stacks(model).values())
+    staged = offload_read == "rows" or (offload_read is None and bool(_stagers(model)))
     if choice == "on" and staged:
-        raise SamplingError("graphs 'on': this model's frozen experts are offloaded, staged from the CPU as each "
-                            "row runs, which a CUDA graph cannot replay: use 'auto' or 'off'")
+        raise SamplingError("graphs 'on': this model's frozen experts are offloaded and staged a row at a time "
+                            "from the CPU, which a CUDA graph cannot replay: read the chosen experts in place "
+                            "(offload read 'experts') or use graphs 'auto' or 'off'")
     return (choice == "on" or (choice == "auto" and device.type == "cuda")) and not staged
 
 
@@ -112,11 +137,15 @@ def _model_device(model: CharLM, device: torch.device | str | None) -> torch.dev
 def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float = 0.8,
           top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
           window: int | None = None, keep: int | None = None, graphs: str = "auto",
-          sync_every: int = 1) -> Iterator[list[str]]:
+          offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
+          compiled: bool = False) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
     `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)`.
 
     graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
+    offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
+    expert_path: how a step runs its experts (`decode.Decoder`; `auto` unless measuring).
+    compiled: the step's pieces through torch.compile (CUDA, resident experts; a one-off compile).
     sync_every: steps written between two reads of the characters (the host sync); 1 streams each
     character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
     checked here, before the first character is asked for.
@@ -125,17 +154,41 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     if sync_every < 1:
         raise SamplingError(f"sync_every must be >= 1; got {sync_every}")
     device = _model_device(model, device)
-    use_graphs = resolve_graphs(graphs, device, model)
-    return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every)
+    read = resolve_offload_read(offload_read, model, len(ids))
+    use_graphs = resolve_graphs(graphs, device, model, read)
+    if expert_path not in EXPERT_PATHS:
+        raise SamplingError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
+    if compiled and device.type != "cuda":
+        raise SamplingError(f"a compiled step needs a CUDA device (Triton); writing runs on {device.type} here")
+    if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
+        raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
+    return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every, read,
+                  (expert_path, compiled))
 
 
 def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
-           seed: int, window: int, keep: int, graphs: bool, sync_every: int) -> Iterator[list[str]]:
+           seed: int, window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
+           ) -> Iterator[list[str]]:
     if n_chars == 0:
         return
+    stagers = _stagers(model)
+    for stager in stagers:
+        stager.read_chosen = read == "experts"
+    try:
+        yield from _write_steps(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, graphs,
+                                sync_every, step)
+    finally:
+        for stager in stagers:
+            stager.read_chosen = False
+
+
+def _write_steps(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
+                 seed: int, window: int, keep: int, graphs: bool, sync_every: int, step: tuple
+                 ) -> Iterator[list[str]]:
     B = len(ids)
+    expert_path, compiled = step
     decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
-                      graphs=graphs)
+                      graphs=graphs, expert_path=expert_path, compiled=compiled)
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     filled = [len(w) for w in windows]              # the same count, kept without reading back
     decoder.prefill(list(range(B)), windows)

@@ -28,3 +28,28 @@ def test_bench_reports_every_path_its_bound_and_its_checks(tmp_path, capsys):
     assert data["checks"]["stream_first_difference"] == {"0": None, "1": None}
     table = capsys.readouterr().out
     assert "| path | graphs | streams | char/s |" in table and "the same as today's path" in table
+
+
+def test_bench_of_offloaded_experts_runs_both_ways_of_reading_them(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--profile", "cpu_tiny", "--device", "cpu", "--chars", "16", "--streams", "3", "--vocab", "40",
+            "--threads", "1", "--json", str(out)]
+    for item in TINY + ["experts.frozen=true", "experts.blocksize=32", "experts.offload=cpu"]:
+        args += ["--set", item]
+    assert bench_decode.main(args) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["path"], r["streams"]): r for r in data["results"]}
+    assert set(rows) == {(f"offloaded, read {read}", s) for read in ("experts", "rows") for s in (1, 3)}
+    assert all(r["char_per_s"] > 0 for r in rows.values())
+    expert = 3 * 32 * 32 // 2 + 3 * 32 * 32 // 32 * 4  # an expert's NF4 codes and absmax, both stacks
+    assert rows[("offloaded, read rows", 1)]["h2d_bytes_per_step"] == expert * 4  # the row: 4 experts
+    assert rows[("offloaded, read experts", 3)]["h2d_bytes_per_step"] == expert * 3 * 2  # 3 streams x top_k
+    assert data["greedy_experts_equals_rows"]
+    assert "| offloaded experts read by |" in capsys.readouterr().out
+
+
+def test_steady_steps_leave_out_those_written_before_the_first_read():
+    import torch
+    data = bench_decode.timed(lambda: iter([["a"]] * 40), torch.device("cpu"), every=16)
+    assert data["steps"] == 24  # steps 17..40: the first read brought 16 back at once
+    assert bench_decode.timed(lambda: iter([["a"]] * 40), torch.device("cpu"))["steps"] == 39

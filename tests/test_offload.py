@@ -130,15 +130,60 @@ def test_on_the_gpu_offload_matches_resident_and_allocates_no_more_over_steps(pr
     assert stager.take_stats()["h2d_bytes"] > 0
 
 
-def test_writing_with_offloaded_experts_keeps_graphs_off_and_equals_the_resident_text():
+def test_writing_reads_chosen_experts_in_place_or_stages_rows_and_either_way_writes_the_resident_text():
     from minagi.data import Vocab
-    from minagi.sampling import SamplingError, resolve_graphs, write
+    from minagi.sampling import write
+    offloaded, stager = build(OFFLOADED)
+    resident, _ = build(RESIDENT)
+    vocab = Vocab("abcdefghijk")
+    row_bytes = sum(s.stored_bytes() for s in frozen_stacks(offloaded).values()) // CFG.n_rows
+
+    def text(model, **kw):
+        if stager is not None:
+            stager.take_stats()
+        out = "".join(c[0] for c in write(model, vocab, ["abc"], 20, temperature=0, graphs="off", **kw))
+        return out, stager.take_stats()["h2d_bytes"]
+
+    want, _ = text(resident)
+    by_experts, experts_bytes = text(offloaded, offload_read="experts")
+    by_rows, rows_bytes = text(offloaded, offload_read="rows")
+    assert by_experts == want == by_rows and len(want) == 20
+    assert experts_bytes <= CFG.n_rows * row_bytes  # at most the prefill's rows: the steps read in place
+    assert rows_bytes > 10 * CFG.n_rows * row_bytes  # every step stages its rows again
+    assert not stager.read_chosen  # writing is over: training stages rows again
+
+
+def test_how_writing_reads_offloaded_experts_decides_whether_graphs_can_run():
+    from minagi.sampling import SamplingError, resolve_graphs, resolve_offload_read
     offloaded, _ = build(OFFLOADED)
     resident, _ = build(RESIDENT)
-    assert not resolve_graphs("auto", torch.device("cuda"), offloaded)  # auto: staged per row, no graph
-    with pytest.raises(SamplingError, match="offloaded"):
-        resolve_graphs("on", torch.device("cuda"), offloaded)
+    cuda = torch.device("cuda")
+    assert resolve_offload_read("auto", resident) is None
+    assert resolve_offload_read("auto", offloaded, streams=1) == "experts"  # 1 x top_k 2 < 4 experts
+    assert resolve_offload_read("auto", offloaded, streams=2) == "rows"     # 2 x 2 reads the whole row
+    assert resolve_offload_read("rows", offloaded, streams=1) == "rows"
+    assert resolve_graphs("auto", cuda, offloaded, "experts")
+    assert not resolve_graphs("auto", cuda, offloaded, "rows")
+    assert not resolve_graphs("auto", cuda, offloaded)  # asked without saying how: staged, no graph
+    with pytest.raises(SamplingError, match="staged a row at a time"):
+        resolve_graphs("on", cuda, offloaded, "rows")
+    with pytest.raises(SamplingError, match="offload_read must be one of auto, experts, rows; got 'all'"):
+        resolve_offload_read("all", offloaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_chosen_experts_read_from_pinned_memory_write_the_resident_text_in_a_graph():
+    from minagi.data import Vocab
+    from minagi.offload import host_alias
+    from minagi.sampling import write
+    home = torch.arange(1000, dtype=torch.float32).pin_memory()
+    alias = host_alias(home, torch.device("cuda"))
+    assert alias.device.type == "cuda" and torch.equal(alias.index_select(0, torch.tensor([3, 999], device="cuda"))
+                                                       .cpu(), torch.tensor([3.0, 999.0]))
+    offloaded, stager = build(OFFLOADED, "cuda", path="native")
+    resident, _ = build(RESIDENT, "cuda", path="native")
     vocab = Vocab("abcdefghijk")
-    texts = ["".join(c[0] for c in write(m, vocab, ["abc"], 20, temperature=0, graphs="off"))
-             for m in (offloaded, resident)]
-    assert texts[0] == texts[1] and len(texts[0]) == 20
+    texts = ["".join(c[0] for c in write(m, vocab, ["abc"], 30, temperature=0, graphs="on", **kw))
+             for m, kw in ((resident, {}), (offloaded, {"offload_read": "experts"}))]
+    assert texts[0] == texts[1] and len(texts[0]) == 30

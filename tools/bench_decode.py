@@ -5,6 +5,12 @@ bound, all in one run on a random-init model of a profile.
     python tools/bench_decode.py --profile h200                  # the H200 table of docs/sampling.md
     python tools/bench_decode.py --profile cuda_small --streams 64
     python tools/bench_decode.py --profile cpu_tiny --device cpu --chars 40 --streams 4 --copy-mib 16
+    python tools/bench_decode.py --profile h200_offload --chars 40 --streams 64   # offloaded experts
+
+With a profile whose frozen experts are offloaded (`experts.offload = "cpu"`), the runs are the two
+ways writing reads them, at batch 1 and with many streams: `experts` (each step's chosen experts
+read in place from pinned memory, graphs on) and `rows` (every row staged whole, graphs off); the
+bound is then the NF4 bytes a step reads over the pinned host-to-device bandwidth of this run.
 
 char/s is the steady rate: from the first character written to the last (the prefill, and the
 capture of the graph, are reported apart as `first ms`). Kernels per character are the GPU kernels
@@ -30,7 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
+from minagi.decode import Decoder  # noqa: E402
+from minagi.frozen import frozen_stacks  # noqa: E402
 from minagi.model import CharLM, build_model  # noqa: E402
+from minagi.offload import attach_offload  # noqa: E402
 from minagi.sampling import generate, write  # noqa: E402
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -52,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=1024, help="MiB of the bandwidth probe's copy (default 1024)")
     p.add_argument("--top-kernels", type=int, default=12, help="GPU kernels listed for the graphed step")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (torch.set_num_threads; 0 = torch's default)")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the compiled step (CUDA; default on)")
     p.add_argument("--json", default="bench_decode.json", help="where every number goes")
     return p.parse_args(argv)
 
@@ -63,7 +74,37 @@ def make_model(args: argparse.Namespace, device: torch.device) -> tuple[CharLM, 
     vocab = Vocab.from_text(chars[:max(args.vocab, len(set(PROMPT)))])
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts)
+    if cfg.experts.offload == "cpu":
+        attach_offload(model, device, cfg.experts.prefetch)
     return model.eval(), vocab
+
+
+def offloaded(model: CharLM) -> bool:
+    return any(s.stager is not None for s in frozen_stacks(model).values())
+
+
+def nf4_bytes(model: CharLM, streams: int) -> tuple[int, int]:
+    """(NF4 bytes a step of `streams` characters reads in place, bytes of one row's stacks): each
+    chosen expert's bytes once per choice (the gather does not merge repeats)."""
+    stacks = list(frozen_stacks(model).values())
+    row = sum(s.stored_bytes() for s in stacks) // model.cfg.n_rows
+    per_expert = row // model.pool_cfg.n_experts
+    return model.cfg.n_rows * streams * model.pool_cfg.top_k * per_expert, row
+
+
+def pinned_bandwidth(device: torch.device, mib: int, repeat: int = 5) -> float:
+    """Bytes per second of a pinned host-to-device copy."""
+    src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device=device)
+    times = []
+    for _ in range(repeat + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return src.numel() / min(times[1:])
 
 
 def weight_bytes(model: CharLM, streams: int = 1) -> int:
@@ -105,18 +146,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(make_chars, device: torch.device) -> dict:
-    """Steady char/s of an iterator of per-step character lists (from the first step to the last)."""
+def timed(make_chars, device: torch.device, every: int = 1) -> dict:
+    """Steady char/s of an iterator of per-step character lists, from its first yield to its last.
+    `every`: steps written between two reads (write's sync_every): the first yield comes after that
+    many steps, and the every - 1 already written with it are yielded at once, so they are not
+    counted in the steady steps."""
     t0 = time.perf_counter()
     chars = make_chars()
     next(chars)
     sync(device)
     first = time.perf_counter()
-    rest = sum(1 for _ in chars)
+    rest = sum(1 for _ in chars) - (every - 1)
     sync(device)
     end = time.perf_counter()
     return {"first_ms": (first - t0) * 1e3, "steady_s": end - first, "steps": rest,
-            "step_per_s": rest / (end - first) if end > first else float("nan")}
+            "step_per_s": rest / (end - first) if end > first and rest > 0 else float("nan")}
 
 
 def counted(make_chars, n: int, device: torch.device, top: int = 0) -> dict:
@@ -163,22 +207,35 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     model, vocab = make_model(args, device)
+    if offloaded(model):
+        return run_offloaded(model, vocab, device, args)
     T, B, n = args.temperature, args.streams, args.chars
-    cases = [("today (generate, cached)", "-", 1, args.today_chars,
+    cuda = device.type == "cuda"
+    cases = [("today (generate, cached)", "-", 1, args.today_chars, 1,
               lambda k: ([c] for c in generate(model, vocab, PROMPT, k, T, 0, 1337, device)))]
-    for graphs in (("off", "on") if device.type == "cuda" else ("off",)):
-        cases.append(("static", graphs, 1, n,
-                      lambda k, g=graphs: write(model, vocab, [PROMPT], k, T, 0, 1337, device, graphs=g)))
-    if device.type == "cuda":  # what the per-character read-back costs
-        cases.append(("static, read every 16", "on", 1, n,
-                      lambda k: write(model, vocab, [PROMPT], k, T, 0, 1337, device, sync_every=16)))
-    cases.append(("static", "on" if device.type == "cuda" else "off", B, n,
-                  lambda k: write(model, vocab, [PROMPT] * B, k, T, 0, 1337, device, sync_every=16)))
+
+    def case(name: str, graphs: str, streams: int, every: int, **kw) -> None:
+        cases.append((name, graphs, streams, n, every, lambda k: write(model, vocab, [PROMPT] * streams, k, T, 0, 1337,
+                                                                        device, graphs=graphs, sync_every=every, **kw)))
+    for graphs in (("off", "on") if cuda else ("off",)):
+        case("static", graphs, 1, 1)
+    if cuda:  # what the per-character read-back costs
+        case("static, read every 16", "on", 1, 16)
+    case("static", "on" if cuda else "off", B, 16)
+    if cuda and args.compiled:  # the step's pieces through torch.compile
+        case("static, compiled", "on", 1, 1, compiled=True)
+        case("static, compiled, read every 16", "on", 1, 16, compiled=True)
+        case("static, compiled", "on", B, 16, compiled=True)
+    if model.cfg.mlp == "pooled" and model.pools()[0].path == "native" and cuda:
+        for streams in (1, B):  # the expert path auto does not take, beside the one it takes
+            other = "grouped" if Decoder(model, [0] * streams, 1).mlps[0].kind == "gathered" else "gathered"
+            case(f"static, experts {other}", "on", streams, 1 if streams == 1 else 16, expert_path=other)
     bandwidth = copy_bandwidth(device, args.copy_mib)
     rows = []
-    for name, graphs, streams, chars, make in cases:
-        top = args.top_kernels if (name, graphs, streams) == ("static", "on", 1) else 0
-        row = {"path": name, "graphs": graphs, "streams": streams, **timed(lambda: make(chars), device),
+    for name, graphs, streams, chars, every, make in cases:
+        top = args.top_kernels if name in ("static", "static, compiled") and (graphs, streams) == ("on", 1) else 0
+        row = {"path": name, "graphs": graphs, "streams": streams, "sync_every": every,
+               **timed(lambda: make(chars), device, every),
                **counted(lambda: make(args.profile_chars + 3 + args.profile_chars), args.profile_chars, device, top)}
         row["char_per_s"] = row["step_per_s"] * streams
         row["bound_char_per_s"] = bandwidth * streams / weight_bytes(model, streams)
@@ -190,6 +247,49 @@ def run(args: argparse.Namespace) -> dict:
             "checks": checks(model, vocab, device, args)}
 
 
+def run_offloaded(model: CharLM, vocab: Vocab, device: torch.device, args: argparse.Namespace) -> dict:
+    """The two ways writing reads offloaded experts, at batch 1 and with `--streams`, in one run."""
+    T, B = args.temperature, args.streams
+    bandwidth = pinned_bandwidth(device, args.copy_mib) if device.type == "cuda" else float("nan")
+    rows = []
+    for streams in (1, B):
+        for read in ("experts", "rows"):
+            graphs = "on" if read == "experts" and device.type == "cuda" else "off"
+            chars = args.chars if read == "experts" else max(4, args.chars // 8)  # a staged row is slow
+
+            def make(k, s=streams, r=read, g=graphs):
+                return write(model, vocab, [PROMPT] * s, k, T, 0, 1337, device, graphs=g, offload_read=r)
+            row = {"path": f"offloaded, read {read}", "graphs": graphs, "streams": streams, **timed(lambda: make(chars),
+                   device)}
+            row["char_per_s"] = row["step_per_s"] * streams
+            read_bytes, row_bytes = nf4_bytes(model, streams)
+            step_bytes = read_bytes if read == "experts" else model.cfg.n_rows * row_bytes
+            row.update(h2d_bytes_per_step=step_bytes, bound_char_per_s=bandwidth * streams / step_bytes)
+            rows.append(row)
+    greedy = ["".join(c for (c,) in write(model, vocab, [PROMPT], 12, 0.0, 0, 1337, device, offload_read=r))
+              for r in ("experts", "rows")]
+    return {"device": str(device), "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__, "python": platform.python_version(), "profile": args.profile,
+            "overrides": args.set, "params": sum(p.numel() for p in model.parameters()),
+            "pinned_h2d_bytes_per_s": bandwidth, "results": rows,
+            "greedy_experts_equals_rows": greedy[0] == greedy[1]}
+
+
+def print_offloaded(data: dict) -> None:
+    print(f"device {data['device']} ({data['gpu'] or 'cpu'}), torch {data['torch']}, profile {data['profile']} "
+          f"{' '.join(data['overrides'])}; pinned host-to-device copy {data['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s\n")
+    print("| offloaded experts read by | graphs | streams | char/s | first ms | NF4 MB over the bus per step "
+          "| bound char/s | % of bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in data["results"]:
+        print(f"| {r['path'].split()[-1]} | {r['graphs']} | {r['streams']} | {r['char_per_s']:.1f} "
+              f"| {r['first_ms']:.0f} | {r['h2d_bytes_per_step'] / 1e6:.1f} | {r['bound_char_per_s']:.1f} "
+              f"| {100 * r['char_per_s'] / r['bound_char_per_s']:.1f} |")
+    print(f"\ngreedy, 12 chars: reading experts in place writes "
+          f"{'the same text as' if data['greedy_experts_equals_rows'] else 'a DIFFERENT text from'} staging rows")
+
+
 def checks(model: CharLM, vocab: Vocab, device: torch.device, args: argparse.Namespace) -> dict:
     """Greedy text of today's path vs the static path; two streams of a batch vs each written alone."""
     n = args.today_chars
@@ -199,7 +299,11 @@ def checks(model: CharLM, vocab: Vocab, device: torch.device, args: argparse.Nam
                                              0, 1337, device, sync_every=16))]
     alone = {i: "".join(c for (c,) in write(model, vocab, [PROMPT], args.chars, args.temperature, 0, 1337 + i,
                                             device)) for i in range(min(2, args.streams))}
-    return {"greedy_chars": n, "greedy_first_difference": first_difference(today, static),
+    out = {}
+    if device.type == "cuda" and args.compiled:
+        compiled = "".join(c for (c,) in write(model, vocab, [PROMPT], n, 0.0, 0, 1337, device, compiled=True))
+        out["compiled_greedy_first_difference"] = first_difference(today, compiled)
+    return {**out, "greedy_chars": n, "greedy_first_difference": first_difference(today, static),
             "stream_chars": args.chars,
             "stream_first_difference": {i: first_difference(batch[i], text) for i, text in alone.items()}}
 
@@ -224,12 +328,15 @@ def print_table(data: dict) -> None:
               f"| {r['bound_char_per_s']:.0f} | {100 * r['char_per_s'] / r['bound_char_per_s']:.2f} |")
     for r in data["results"]:
         if r.get("top_kernels_us"):
-            print("\nGPU kernels of the graphed step at batch 1, us per character:")
+            print(f"\nGPU kernels of the graphed step at batch 1 ({r['path']}), us per character:")
             for name, us in r["top_kernels_us"]:
                 print(f"  {us:8.1f}  {name[:110]}")
     c = data["checks"]
     same = "the same" if c["greedy_first_difference"] is None else f"differs from char {c['greedy_first_difference']}"
     print(f"\ngreedy, {c['greedy_chars']} chars: the static path's text is {same} as today's path")
+    if "compiled_greedy_first_difference" in c:
+        d = c["compiled_greedy_first_difference"]
+        print(f"greedy, compiled step: {'the same text' if d is None else f'differs from char {d}'} as today's path")
     for i, d in c["stream_first_difference"].items():
         print(f"stream {i} of the batch vs written alone (seed 1337+{i}, {c['stream_chars']} chars): "
               f"{'equal' if d is None else f'first differs at char {d}'}")
@@ -240,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     data = run(args)
-    print_table(data)
+    (print_offloaded if "pinned_h2d_bytes_per_s" in data else print_table)(data)
     Path(args.json).write_text(json.dumps(data, indent=1))
     return 0
 
