@@ -2,8 +2,8 @@
 # The learning-quality runs of docs/quality.md, in one go on one GPU:
 #   1. nanoGPT's shakespeare_char beside them, if a copy of nanoGPT is in .ref/nanoGPT (never committed:
 #      fetch karpathy/nanoGPT there and put tinyshakespeare.txt in its data/shakespeare_char/input.txt);
-#   2. tinyshakespeare: h200_shakespeare (MoE) and h200_shakespeare_dense, two seeds each, one at a time
-#      (their wall time is compared with nanoGPT's);
+#   2. tinyshakespeare: h200_shakespeare (MoE), two seeds one at a time (their wall time is compared
+#      with nanoGPT's), then h200_shakespeare_dense, two seeds at once (compared by held-out loss);
 #   3. Gutenberg: h200_gutenberg and h200_gutenberg_dense, two seeds each, four at once (compared at
 #      equal characters seen, so sharing the GPU changes nothing they are judged on);
 #   4. every best.pt read over its whole held-out text by tools/evaluate.py, and tools/compare_runs.py.
@@ -26,14 +26,18 @@ if [ -d .ref/nanoGPT ]; then
   grep -E "^ *[0-9.]+ step " "$OUT/nanogpt.txt" | tail -3
 fi
 
+shakespeare() {  # profile seed
+  python3 train.py --profile $1 --data "$DATA/tinyshakespeare.txt" --run-name "$1-$2" \
+    --set "train.seed=$2" "${common[@]}" 2>&1 | stamp > "$OUT/$1-$2.txt"
+}
 for seed in 1337 1338; do
-  for profile in h200_shakespeare h200_shakespeare_dense; do
-    echo "=== $profile seed $seed $(date +%T)"
-    python3 train.py --profile $profile --data "$DATA/tinyshakespeare.txt" --run-name "$profile-$seed" \
-      --set "train.seed=$seed" "${common[@]}" 2>&1 | stamp > "$OUT/$profile-$seed.txt"
-    tail -2 "$OUT/$profile-$seed.txt"
-  done
+  echo "=== h200_shakespeare seed $seed $(date +%T)"
+  shakespeare h200_shakespeare $seed
+  tail -2 "$OUT/h200_shakespeare-$seed.txt"
 done
+echo "=== h200_shakespeare_dense x2 $(date +%T)"
+for seed in 1337 1338; do shakespeare h200_shakespeare_dense $seed & done
+wait
 
 echo "=== gutenberg x4 $(date +%T)"
 for seed in 1337 1338; do
@@ -65,5 +69,8 @@ python3 tools/compare_runs.py "$RUNS"/h200_shakespeare*-* --out "$OUT/shakespear
 python3 tools/compare_runs.py "$RUNS"/h200_gutenberg*-* --out "$OUT/gutenberg.png" > "$OUT/gutenberg_table.md" 2>&1
 mkdir -p "$OUT/histories"
 for run in "$RUNS"/h200_*-*; do cp "$run/history.jsonl" "$OUT/histories/$(basename "$run").jsonl"; done
+for run in "$RUNS"/h200_gutenberg-*; do  # the MoE runs' routing: sinks per row
+  python3 tools/sink_report.py "$run/best.pt" --device cuda > "$OUT/sinks-$(basename "$run").txt" 2>&1
+done
 cat "$OUT/shakespeare_table.md" "$OUT/gutenberg_table.md"
 echo "=== done $(date +%T)"
