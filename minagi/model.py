@@ -167,15 +167,15 @@ class CharLM(nn.Module):
         for pool, load_E in zip(self.pools(), load_LE):
             pool.router.step_bias(load_E, pool.cfg.bias_update_rate)
 
-    def param_groups(self, weight_decay: float, expert_weight_decay: float | None = None) -> list[dict]:
-        """Decay matrices and expert stacks (these by `expert_weight_decay`, default `weight_decay`);
+    def param_groups(self, weight_decay: float, expert_weight_decay: float = -1.0) -> list[dict]:
+        """Decay matrices and expert stacks (these by `expert_weight_decay`; < 0: `weight_decay`);
         not norms, gains, biases, any other 1-D parameter or the LoRA adapters of frozen experts
         (decay would pull them to zero: towards no adaptation). Two groups (decayed, not), or three when
         the experts decay apart: the two of older checkpoints' optimizer states whenever they can be."""
         named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         decays = lambda n, p: p.dim() >= 2 and ".lora_" not in n  # noqa: E731
         plain = [{"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
-        if expert_weight_decay is None or expert_weight_decay == weight_decay:
+        if expert_weight_decay < 0 or expert_weight_decay == weight_decay:
             return [{"params": [p for n, p in named if decays(n, p)], "weight_decay": weight_decay}, *plain]
         expert = lambda n: ".experts." in n  # noqa: E731  (a trainable stack's gate_up and down)
         return [{"params": [p for n, p in named if decays(n, p) and not expert(n)], "weight_decay": weight_decay},

@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["OffloadStager", "attach_offload", "host_alias"]
+__all__ = ["OffloadStager", "attach_offload", "host_alias", "offload_summary"]
 
 # __cuda_array_interface__ type strings; bf16 has none, so it travels as int16 and is viewed back.
 _TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.float32: "<f4"}
@@ -184,3 +184,13 @@ def attach_offload(model: torch.nn.Module, device: torch.device, prefetch: bool 
         for stack in stacks:
             stack.stager = stager
     return stager
+
+
+def offload_summary(stager: OffloadStager | None, steps: int) -> dict | None:
+    """For the history: H2D bytes and the milliseconds compute waited for copies, per step since the
+    last call; the slots' bytes. None without offload."""
+    if stager is None:
+        return None
+    s = stager.take_stats()
+    return {"h2d_bytes_per_step": s["h2d_bytes"] / max(1, steps), "h2d_exposed_ms_per_step":
+            s["h2d_exposed_ms"] / max(1, steps), "resident_expert_bytes": s["resident_bytes"]}

@@ -45,7 +45,7 @@ from .diagnostics import RoutingMeter, StepCounts, step_counts
 from .model import CharLM, build_model
 from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
 from .loading import init_from_checkpoint
-from .offload import OffloadStager, attach_offload
+from .offload import OffloadStager, attach_offload, offload_summary
 from .recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
 from .resume import check_same_corpus, corpus_summary, describe_corpus, open_checkpoint, resume_config
 from .runlog import HISTORY_FIELDS, RunFolder
@@ -179,8 +179,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
                         experts=cfg.experts, init_frozen=init_frozen)
-    expert_wd = tc.expert_weight_decay if tc.expert_weight_decay >= 0 else None
-    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, expert_wd), lr=tc.lr,
+    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
@@ -572,8 +571,7 @@ class Trainer:
             **devices.memory_stats(self.device),
             "sinks": sinks,
             "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
-            "dequants": self.dequants,
-            "offload": self.offload,
+            "dequants": self.dequants, "offload": self.offload,
         }
         return {k: record[k] for k in HISTORY_FIELDS}
 
@@ -596,15 +594,6 @@ class Trainer:
             return
         self.say(f"interrupted: saved {self.folder.last} at step {state.step}; "
                  f"continue with --resume {self.folder.path}")
-
-
-def offload_summary(stager: OffloadStager | None, steps: int) -> dict | None:
-    """H2D bytes and the milliseconds compute waited for copies, per step; the slots' bytes."""
-    if stager is None:
-        return None
-    s = stager.take_stats()
-    return {"h2d_bytes_per_step": s["h2d_bytes"] / max(1, steps), "h2d_exposed_ms_per_step":
-            s["h2d_exposed_ms"] / max(1, steps), "resident_expert_bytes": s["resident_bytes"]}
 
 
 def _fmt_bytes(n: int | None) -> str:
