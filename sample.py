@@ -73,7 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "ends it and is not part of the prompt)")
     p.add_argument("--streams", type=_positive_int,
                    help="continuations written at once (default 1, or one per line of --prompts); "
-                        "stream i uses seed + i and writes what it would alone with that seed")
+                        "stream i uses seed + i and writes what it would alone with that seed (on a GPU, up to "
+                        "bf16 rounding)")
     p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                    help="capture the one-character step in a CUDA graph: auto = on a CUDA device (default)")
     p.add_argument("--offload-read", choices=("auto", "experts", "rows"), default="auto",

@@ -21,7 +21,8 @@ routed row (frozen NF4 stacks, through the expert-weights seam, dequantize just 
 multiply per routed row with bmm: no sort, no counts, no host sync. That reads an expert once per
 stream that chose it, so with many streams, where the pool's own path is torch's grouped GEMM
 ("native") and the stack is resident, the step runs that path instead (each chosen expert read once
-a step, however many streams chose it; its sort and counts make no host sync either). Writing is dropless and computes no aux terms. The dense twin is one SwiGLU.
+a step, however many streams chose it; its sort and counts make no host sync either). Writing is
+dropless and computes no aux terms. The dense twin is one SwiGLU.
 
 A window's characters but the last are *prefilled* by the model's own forward (outside the graph,
 its usual dispatch) and copied into the stream's slots; the last is the next step's input. The

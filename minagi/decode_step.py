@@ -1,7 +1,7 @@
 """The one-character step's math as functions of tensors: what `decode.Decoder` runs eagerly, captures
 in a CUDA graph and, with `compiled`, hands to torch.compile. Every weight is an argument, never a
 module, so one compiled piece serves every row without a recompile (dynamo guards on a module's
-identity, on a tensor argument's shape only).
+identity; on a tensor argument's shape, dtype and strides, which every row shares).
 
 Shape legend: B streams, D model width, H heads, Dh head width, E experts, K top_k, S = B*K routed
 rows, F expert width, V vocabulary.
@@ -25,8 +25,6 @@ from .pool import compute_dtype
 from .swiglu import swiglu_eager
 
 __all__ = ["MLPWeights", "head_step", "mlp_step", "qkv_step", "rope_step", "route_step", "tail_step"]
-
-MLP_KINDS = ("gathered", "grouped", "dense", "stack")
 
 
 class MLPWeights(NamedTuple):

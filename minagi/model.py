@@ -178,9 +178,9 @@ class CharLM(nn.Module):
         if expert_weight_decay < 0 or expert_weight_decay == weight_decay:
             return [{"params": [p for n, p in named if decays(n, p)], "weight_decay": weight_decay}, *plain]
         expert = lambda n: ".experts." in n  # noqa: E731  (a trainable stack's gate_up and down)
-        return [{"params": [p for n, p in named if decays(n, p) and not expert(n)], "weight_decay": weight_decay},
-                {"params": [p for n, p in named if decays(n, p) and expert(n)], "weight_decay": expert_weight_decay},
-                *plain]
+        groups = [{"params": [p for n, p in named if decays(n, p) and not expert(n)], "weight_decay": weight_decay},
+                  {"params": [p for n, p in named if decays(n, p) and expert(n)], "weight_decay": expert_weight_decay}]
+        return [g for g in groups if g["params"]] + plain  # frozen experts: nothing of theirs decays
 
 
 def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,

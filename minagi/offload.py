@@ -51,11 +51,16 @@ def host_alias(home: Tensor, device: torch.device) -> Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return home
-    if not home.is_pinned():
-        raise ValueError("host_alias needs pinned CPU memory (an offloaded stack's home)")
+    if not (home.is_pinned() and home.is_contiguous()):
+        raise ValueError("host_alias needs contiguous pinned CPU memory (an offloaded stack's home)")
     flat = home.reshape(-1)
     store = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+    if store.dtype not in _TYPESTR:
+        raise ValueError(f"host_alias: no device alias for {home.dtype} (NF4 homes are uint8 and float32)")
     alias = torch.as_tensor(_HostArray(store), device=device)
+    if alias.data_ptr() != home.data_ptr():  # as_tensor copied (the memory is another device's): no alias
+        raise ValueError(f"host_alias: the pinned memory is not addressable as {device}; "
+                         f"use --offload-read rows")
     return alias.view(flat.dtype).view(home.shape)
 
 

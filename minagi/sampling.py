@@ -24,6 +24,7 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator
 
@@ -140,7 +141,8 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
           offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
           compiled: bool = False) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
-    `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)`.
+    `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)` (on a GPU
+    up to bf16 rounding, which kernels for a batch may do differently from kernels for one stream).
 
     graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
     offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
@@ -166,35 +168,39 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
                   (expert_path, compiled))
 
 
+@contextlib.contextmanager
+def _reading(stagers: list, chosen: bool):
+    """Offloaded stacks read their chosen experts in place (`chosen`) or by rows for the calls inside;
+    entered per call, never across a `yield` (training between two characters stages rows)."""
+    before = [s.read_chosen for s in stagers]
+    for s in stagers:
+        s.read_chosen = chosen
+    try:
+        yield
+    finally:
+        for s, b in zip(stagers, before):
+            s.read_chosen = b
+
+
 def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
            seed: int, window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
            ) -> Iterator[list[str]]:
     if n_chars == 0:
         return
-    stagers = _stagers(model)
-    for stager in stagers:
-        stager.read_chosen = read == "experts"
-    try:
-        yield from _write_steps(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, graphs,
-                                sync_every, step)
-    finally:
-        for stager in stagers:
-            stager.read_chosen = False
-
-
-def _write_steps(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
-                 seed: int, window: int, keep: int, graphs: bool, sync_every: int, step: tuple
-                 ) -> Iterator[list[str]]:
     B = len(ids)
     expert_path, compiled = step
-    decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
-                      graphs=graphs, expert_path=expert_path, compiled=compiled)
+    stagers, chosen = _stagers(model), read == "experts"
+    with _reading(stagers, chosen):  # the capture records the step's reads
+        decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
+                          graphs=graphs, expert_path=expert_path, compiled=compiled)
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     filled = [len(w) for w in windows]              # the same count, kept without reading back
-    decoder.prefill(list(range(B)), windows)
+    with _reading(stagers, chosen):
+        decoder.prefill(list(range(B)), windows)
     pending = 0
     for written in range(1, n_chars + 1):
-        decoder.advance()
+        with _reading(stagers, chosen):
+            decoder.advance()
         pending += 1
         filled = [n + 1 for n in filled]
         sliding = [b for b in range(B) if filled[b] > window] if written < n_chars else []
@@ -207,7 +213,8 @@ def _write_steps(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int
         if sliding:  # the newest character does not fit: restart on the last `keep`
             for b in sliding:
                 windows[b], filled[b] = windows[b][-keep:], keep
-            decoder.prefill(sliding, [windows[b] for b in sliding])
+            with _reading(stagers, chosen):
+                decoder.prefill(sliding, [windows[b] for b in sliding])
         for row in rows:
             yield [vocab.chars[c] for c in row]
 

@@ -164,7 +164,7 @@ class Training:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     schedule: Callable[[int], float]
     params: list[Tensor]
-    dropout_seed: int | None = None  # model.dropout > 0: the base of each step's seed (train.seed and rank)
+    dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
     stager: OffloadStager | None = None  # experts.offload = "cpu"
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
@@ -207,7 +207,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
     forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 else None
+    dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
 
 

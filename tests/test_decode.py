@@ -280,7 +280,7 @@ def _graphed_vs_eager(kind: str, monkeypatch, streams: int):
 @gpu
 @pytest.mark.parametrize("kind", ["grouped", "native", "dense", "nf4"])
 def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypatch):
-    _, out = _graphed_vs_eager(kind, monkeypatch, streams=3)
+    _, out = _graphed_vs_eager(kind, monkeypatch, streams=4)  # native: 4 x top_k 2 >= 2 x 4 experts, grouped
     (eager, eager_logits), (graphed, graphed_logits) = out["off"], out["on"]
     assert graphed == eager
     for i, (a, b) in enumerate(zip(graphed_logits, eager_logits)):
@@ -293,8 +293,9 @@ def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypa
 def test_the_step_makes_no_host_sync_on_cuda(kind):
     model = make_model(kind, "cuda")
     for graphs in (False, True):
-        decoder = Decoder(model, [0, 1], CONTEXT, temperature=1.0, top_k=3, graphs=graphs)
-        decoder.prefill([0, 1], [[1, 2, 3], [4]])
+        decoder = Decoder(model, [0, 1, 2, 3], CONTEXT, temperature=1.0, top_k=3, graphs=graphs)
+        assert kind != "native" or decoder.mlps[0].kind == "grouped"  # 4 streams x top_k 2 >= 2 x 4 experts
+        decoder.prefill([0, 1, 2, 3], [[1, 2, 3], [4], [5, 6], [7]])
         decoder.advance()  # the first noise table is made outside the step
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -360,7 +361,7 @@ def test_a_compiled_step_needs_cuda_and_resident_experts():
 def test_the_compiled_step_writes_the_eager_steps_text_and_compiles_each_piece_once(kind):
     from torch._dynamo.utils import counters
     model = make_model(kind, "cuda")
-    prompts = ["the ", "a", "lazy d"]
+    prompts = ["the ", "a", "lazy d", "fox"]  # native: 4 streams take the grouped expert path
     eager = fast(model, prompts, 45, temperature=0.0)
     torch._dynamo.reset()
     counters.clear()
@@ -369,3 +370,16 @@ def test_the_compiled_step_writes_the_eager_steps_text_and_compiles_each_piece_o
     assert counters["stats"]["unique_graphs"] <= 3, (dict(counters["stats"]), dict(counters["graph_break"]))  # qkv, tail, head: one each
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_steps_routing_is_the_routers_bit_for_bit(top_k, bias):
+    from minagi.router import Router
+    torch.manual_seed(0)
+    router = Router(16, 8, top_k, aux_free_bias=bias)
+    router.selection_bias.normal_(0, 0.05)
+    x = torch.randn(5, 16)
+    want = router(x)
+    ids, gates = decode_step.route_step(x, router.weight, router.selection_bias if bias else None, top_k)
+    assert torch.equal(ids, want.expert_ids_NK) and torch.equal(gates, want.gates_NK)

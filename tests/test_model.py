@@ -91,6 +91,6 @@ def test_expert_dropout_drops_chosen_experts_in_training_only():
     dropped, _ = pool(x)
     torch.manual_seed(1)
     again, _ = pool(x)
-    assert torch.equal(dropped, again)  # the mask follows the RNG: DDP and resume see the same
+    assert torch.equal(dropped, again)  # the mask follows the RNG, which the trainer seeds per step and rank
     assert not torch.allclose(dropped, want)
     assert torch.equal(pool.eval()(x)[0], want)

@@ -151,6 +151,9 @@ def test_writing_reads_chosen_experts_in_place_or_stages_rows_and_either_way_wri
     assert experts_bytes <= CFG.n_rows * row_bytes  # at most the prefill's rows: the steps read in place
     assert rows_bytes > 10 * CFG.n_rows * row_bytes  # every step stages its rows again
     assert not stager.read_chosen  # writing is over: training stages rows again
+    chars = write(offloaded, vocab, ["abc"], 20, temperature=0, graphs="off", offload_read="experts")
+    next(chars)
+    assert not stager.read_chosen  # set per call, never across a yield: a paused writer leaves it off
 
 
 def test_how_writing_reads_offloaded_experts_decides_whether_graphs_can_run():
@@ -179,8 +182,8 @@ def test_on_the_gpu_chosen_experts_read_from_pinned_memory_write_the_resident_te
     from minagi.sampling import write
     home = torch.arange(1000, dtype=torch.float32).pin_memory()
     alias = host_alias(home, torch.device("cuda"))
-    assert alias.device.type == "cuda" and torch.equal(alias.index_select(0, torch.tensor([3, 999], device="cuda"))
-                                                       .cpu(), torch.tensor([3.0, 999.0]))
+    assert alias.device.type == "cuda" and alias.data_ptr() == home.data_ptr()  # the same bytes, not a copy
+    assert torch.equal(alias.index_select(0, torch.tensor([3, 999], device="cuda")).cpu(), torch.tensor([3.0, 999.0]))
     offloaded, stager = build(OFFLOADED, "cuda", path="native")
     resident, _ = build(RESIDENT, "cuda", path="native")
     vocab = Vocab("abcdefghijk")

@@ -130,9 +130,9 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
 
 
+@pytest.mark.parametrize("extra", [("model.dropout=0.3",), ("pool.expert_dropout=0.5",)], ids=["model", "experts"])
 def test_dropout_changes_training_not_evaluation_and_a_resume_draws_the_same_masks(tmp_path, data_path,
-                                                                                   monkeypatch, golden):
-    extra = ("model.dropout=0.3",)
+                                                                                   monkeypatch, golden, extra):
     full = run_tiny(tmp_path, data_path, *extra, run_name="full")
     assert full.losses[0] != pytest.approx(golden.losses[0], abs=1e-4)  # masks in training
     with monkeypatch.context() as m:
@@ -144,6 +144,13 @@ def test_dropout_changes_training_not_evaluation_and_a_resume_draws_the_same_mas
     model = load_trained_model(full.run_dir / "last.pt")
     x = torch.zeros(2, 16, dtype=torch.long)
     assert torch.equal(model(x).logits, model(x).logits)  # no masks in evaluation
+
+
+def test_expert_dropout_alone_draws_each_ranks_own_masks():
+    from minagi.config import load_config
+    cfg = load_config("cpu_tiny", ["pool.expert_dropout=0.2", "train.device=cpu"])
+    seeds = [trainer.build_training(cfg, 6, torch.device("cpu"), 1, rank=r).dropout_seed for r in (0, 1)]
+    assert None not in seeds and seeds[0] != seeds[1]  # masks of (seed, step, rank), as model.dropout's
 
 
 def load_trained_model(path):
