@@ -36,3 +36,5 @@ train h200_offload 6 6 --set train.eval_batches=1                               
 train strix_large_frozen 30 15 --set pool.dispatch=grouped --set train.eval_batches=2
 python3 tools/bench_decode.py --profile h200 --json "$out/decode_h200.json" | tee "$out/decode_h200.md"       # §11
 python3 tools/bench_decode.py --profile cuda_small --json "$out/decode_cuda_small.json" | tee "$out/decode_cuda_small.md"
+python3 tools/bench_decode.py --profile h200_offload --chars 40 --streams 64 \
+  --json "$out/decode_offload.json" | tee "$out/decode_offload.md"                                            # §12
