@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.runlog import read_history  # noqa: E402
-from plot_history import HistoryError, _num  # noqa: E402  (the history plots' own: one error, one NaN rule)
+from plot_history import HistoryError, _num, read_run_history  # noqa: E402  (the history plots' own rules)
 
 COMPARE_PNG = "compare.png"
 FIG_INCHES = (16, 6)
@@ -36,17 +35,7 @@ def load_run(run: str | Path) -> list[dict]:
     """The run's records sorted by step, one per step (the latest of a repeated step).
 
     run: a run folder or a history.jsonl path."""
-    path = Path(run)
-    if not path.exists():
-        raise HistoryError(f"{path}: no such run folder")
-    if path.is_dir():
-        run_dir, path = path, path / "history.jsonl"
-        if not path.is_file():
-            raise HistoryError(f"{run_dir}: no history.jsonl in this folder (not a run folder, or no "
-                               "evaluation has run yet)")
-    records = read_history(path)
-    if not records:
-        raise HistoryError(f"{path}: empty history (no evaluation has run yet)")
+    _, path, records = read_run_history(run)
     missing = [k for k in FIELDS if any(k not in r for r in records)]
     if missing:
         raise HistoryError(f"{path}: records lack {', '.join(missing)} (not a minagi history)")

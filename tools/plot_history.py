@@ -41,13 +41,9 @@ def _num(value) -> float:
     return math.nan if value is None else float(value)
 
 
-def load_series(run: str | Path) -> dict:
-    """The plotted series as plain lists, all indexed like `chars`.
-
-    run: a run folder or a history.jsonl path. Keys: chars, train_bpc, heldout_bpc, chars_per_s,
-    memory ({label: [GiB]}), memory_source ("allocator" or "rss"), sink_ratio ({row: [ratio]}),
-    sink_threshold (pool.sink_ratio from run.json, None when unknown), steps.
-    """
+def read_run_history(run: str | Path) -> tuple[Path, Path, list[dict]]:
+    """(run folder, history path, its records) of a run folder or a history.jsonl path; HistoryError
+    naming the path for a missing folder or file, or an empty history."""
     path = Path(run)
     if not path.exists():
         raise HistoryError(f"{path}: no such run folder")
@@ -61,6 +57,17 @@ def load_series(run: str | Path) -> dict:
     records = read_history(path)
     if not records:
         raise HistoryError(f"{path}: empty history (no evaluation has run yet)")
+    return run_dir, path, records
+
+
+def load_series(run: str | Path) -> dict:
+    """The plotted series as plain lists, all indexed like `chars`.
+
+    run: a run folder or a history.jsonl path. Keys: chars, train_bpc, heldout_bpc, chars_per_s,
+    memory ({label: [GiB]}), memory_source ("allocator" or "rss"), sink_ratio ({row: [ratio]}),
+    sink_threshold (pool.sink_ratio from run.json, None when unknown), steps.
+    """
+    run_dir, path, records = read_run_history(run)
 
     missing = [k for k in ("step", "chars_seen", "train_loss", "heldout_bpc", "chars_per_s")
                if any(k not in r for r in records)]
