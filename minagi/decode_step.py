@@ -22,6 +22,7 @@ from torch import Tensor
 from .dense import dense_swiglu
 from .dispatch import make_plan, run_native
 from .pool import compute_dtype
+from .router import chosen_gates, choose_experts
 from .swiglu import swiglu_eager
 
 __all__ = ["MLPWeights", "head_step", "mlp_step", "qkv_step", "rope_step", "route_step", "tail_step"]
@@ -49,15 +50,12 @@ def rope_step(x: Tensor, cos_d: Tensor, sin_d: Tensor) -> Tensor:
 
 
 def route_step(x_BD: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: int) -> tuple[Tensor, Tensor]:
-    """(expert ids [B, K], gates [B, K] fp32): `router.Router`'s choice, in fp32 as there."""
+    """(expert ids [B, K], gates [B, K] fp32): `router.Router`'s choice, in fp32 as there, from
+    tensors (the router's own functions, without its replay memo)."""
     with torch.autocast(x_BD.device.type, enabled=False):
         probs_BE = F.linear(x_BD.float(), router_ED.float()).softmax(-1)
-        scores_BE = probs_BE if bias_E is None else probs_BE + bias_E
-        ids_BK = scores_BE.topk(top_k, dim=-1).indices
-        gates_BK = probs_BE.gather(-1, ids_BK)
-        if top_k > 1:
-            gates_BK = gates_BK / gates_BK.sum(-1, keepdim=True)
-    return ids_BK, gates_BK
+        ids_BK = choose_experts(probs_BE, bias_E, top_k)
+        return ids_BK, chosen_gates(probs_BE, ids_BK)
 
 
 def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:

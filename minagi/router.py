@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import recompute
 
-__all__ = ["Router", "Routing", "balance_loss", "routed_counts", "z_loss"]
+__all__ = ["Router", "Routing", "balance_loss", "choose_experts", "chosen_gates", "routed_counts", "z_loss"]
 
 
 class Routing(NamedTuple):
@@ -50,15 +50,12 @@ class Router(nn.Module):
             # The choice is not differentiable; a row's checkpoint replay takes the forward's, so a
             # recompute can neither re-draw ties nor see a bias that moved in between.
             expert_ids_NK = recompute.remember((self, "expert_ids"), lambda: self._choose(probs_NE))
-            gates_NK = probs_NE.gather(-1, expert_ids_NK)
-            if self.top_k > 1:
-                gates_NK = gates_NK / gates_NK.sum(-1, keepdim=True)
+            gates_NK = chosen_gates(probs_NE, expert_ids_NK)
         return Routing(expert_ids_NK, gates_NK, probs_NE, logits_NE)
 
     @torch.no_grad()  # nothing saved for backward: the replay, which skips this, saves the same tensors
     def _choose(self, probs_NE: Tensor) -> Tensor:
-        scores_NE = probs_NE + self.selection_bias if self.aux_free_bias else probs_NE
-        return scores_NE.topk(self.top_k, dim=-1).indices
+        return choose_experts(probs_NE, self.selection_bias if self.aux_free_bias else None, self.top_k)
 
     @torch.no_grad()
     def step_bias(self, load_E: Tensor, rate: float) -> None:
@@ -68,6 +65,18 @@ class Router(nn.Module):
             return
         load_E = load_E.float()
         self.selection_bias += torch.where(load_E.sum() > 0, rate * torch.sign(load_E.mean() - load_E), 0.0)
+
+
+def choose_experts(probs_NE: Tensor, bias_E: Tensor | None, top_k: int) -> Tensor:
+    """The top_k experts of each row [N, K]: by probability, plus the aux-free selection bias if any."""
+    scores_NE = probs_NE if bias_E is None else probs_NE + bias_E
+    return scores_NE.topk(top_k, dim=-1).indices
+
+
+def chosen_gates(probs_NE: Tensor, expert_ids_NK: Tensor) -> Tensor:
+    """The chosen experts' probabilities [N, K], renormalised to sum to 1 when K > 1."""
+    gates_NK = probs_NE.gather(-1, expert_ids_NK)
+    return gates_NK / gates_NK.sum(-1, keepdim=True) if expert_ids_NK.shape[-1] > 1 else gates_NK
 
 
 def routed_counts(expert_ids_NK: Tensor, n_experts: int) -> Tensor:
