@@ -46,7 +46,7 @@ from .gumbel import gumbel_noise, pick, stream_keys
 from .model import CharLM, rope_tables
 from .pool import PooledMLP
 
-__all__ = ["EXPERT_PATHS", "Decoder", "inference"]
+__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "inference"]
 
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
@@ -79,6 +79,13 @@ def inference(model: CharLM, device: torch.device):
             pool.capacity_factor = c
         if was_training:
             model.train()
+
+
+def auto_grouped(pool: PooledMLP, n_streams: int) -> bool:
+    """Whether expert_path `auto` runs a resident pool grouped: where the pool itself runs torch's
+    grouped GEMM and many streams choose each expert several times a step (there it was 1.8x faster
+    on the H200); at batch 1 its sort and plan cost more than gathering 4 experts."""
+    return pool.path == "native" and n_streams * pool.cfg.top_k >= 2 * pool.n_experts
 
 
 class Decoder:
@@ -166,10 +173,7 @@ class Decoder:
             if self.qkv_step is not decode_step.qkv_step:
                 raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
             return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts)
-        # auto: grouped only where many streams choose each expert several times a step (there it was
-        # 1.8x faster on the H200); at batch 1 its sort and plan cost more than gathering 4 experts.
-        many = self.n_streams * mlp.cfg.top_k >= 2 * mlp.n_experts
-        grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and mlp.path == "native" and many)
+        grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and auto_grouped(mlp, self.n_streams))
         stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
         return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
                           fused=mlp.cfg.swiglu == "auto")

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
-from minagi.decode import Decoder  # noqa: E402
+from minagi.decode import auto_grouped  # noqa: E402
 from minagi.frozen import frozen_stacks  # noqa: E402
 from minagi.model import CharLM, build_model  # noqa: E402
 from minagi.offload import attach_offload  # noqa: E402
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> dict:
         case("static, compiled", "on", B, 16, compiled=True)
     if model.cfg.mlp == "pooled" and model.pools()[0].path == "native" and cuda:
         for streams in (1, B):  # the expert path auto does not take, beside the one it takes
-            other = "grouped" if Decoder(model, [0] * streams, 1).mlps[0].kind == "gathered" else "gathered"
+            other = "gathered" if auto_grouped(model.pools()[0], streams) else "grouped"
             case(f"static, experts {other}", "on", streams, 1 if streams == 1 else 16, expert_path=other)
     bandwidth = copy_bandwidth(device, args.copy_mib)
     rows = []
