@@ -5,7 +5,8 @@ Shape legend: B streams, W window (cache positions), R model rows, H heads, Dh h
 width, V vocabulary, K top_k, S = B*K routed rows, F expert width, C steps of one noise table.
 
 `Decoder` holds, for B streams written side by side, everything a step reads or writes, allocated
-once: the cache [R, B, H, W, Dh] (per row a contiguous [B, H, W, Dh]), each stream's position `pos_B`
+once: the cache [R, 2, B, H, W, Dh] (per row its keys, then its values: one index_copy_ writes
+both), each stream's position `pos_B`
 (where its next key goes) and input character `tok_B`, RoPE tables for positions 0..W-1, the
 sampling noise of the next C steps, and the characters written. A step (`_step`) embeds `tok_B`,
 writes each row's new key and value at `pos_B` in place (index_copy_ into the row's flat view),
@@ -15,7 +16,9 @@ change and it has no host sync and no Python branch on data, so one CUDA graph r
 character (`graphs=True`): the kernels the eager step launches, in the same buffers, nothing copied.
 
 The step's math is minagi/decode_step.py: functions of tensors only, so that `compiled=True` can hand
-them to torch.compile (fused kernels; the in-place cache writes and the attention stay eager here).
+them to torch.compile (fused kernels; the in-place cache writes stay eager here). With few streams a
+compiled step writes its products as sums (`products`, decode_step.py): inductor then fuses them
+with the experts' gather, the top-k and the attention.
 The expert path is gpt-fast's (mixtral-moe): route, gather the top_k chosen experts' weights of each
 routed row (frozen NF4 stacks, through the expert-weights seam, dequantize just those experts) and
 multiply per routed row with bmm: no sort, no counts, no host sync. That reads an expert once per
@@ -51,6 +54,7 @@ __all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "inference"]
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
 _WARMUP_STEPS = 3          # eager steps before a capture: cuBLAS handles, allocations, Triton tables
+_PRODUCTS_MAX_STREAMS = 8  # compiled, `products` up to this many streams (beyond, GEMMs reuse weights)
 _NOISE_ELEMENTS = 1 << 22  # noise table size that sets C (steps of noise made at once), within 16..256
 
 
@@ -100,12 +104,16 @@ class Decoder:
     they may by bf16 rounding (the GEMM's tiling follows how many rows each expert has).
     compiled: run the step's pieces (minagi/decode_step.py) through torch.compile: fewer, fused
     kernels for a first-use compile (CUDA only, resident experts only).
+    products: the step's matrix-vector products as products and sums (decode_step.py); None = where
+    the step is compiled for at most _PRODUCTS_MAX_STREAMS streams. Eager it is slow (it
+    materialises the products) but the same math, which the CPU tests use.
     The decoder copies no state back into the model; build a new one after the weights change
     (on CUDA it holds bf16 copies of the matmul weights).
     """
 
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, temperature: float = 0.0,
-                 top_k: int = 0, graphs: bool = False, expert_path: str = "auto", compiled: bool = False):
+                 top_k: int = 0, graphs: bool = False, expert_path: str = "auto", compiled: bool = False,
+                 products: bool | None = None):
         device = model.embed.weight.device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
@@ -114,8 +122,10 @@ class Decoder:
         if compiled and device.type != "cuda":
             raise ValueError(f"a compiled step needs a CUDA device (Triton); the model is on {device.type}")
         self.expert_path = expert_path
-        self.qkv_step, self.tail_step, self.head_step = (
-            _compiled_pieces() if compiled else (decode_step.qkv_step, decode_step.tail_step, decode_step.head_step))
+        self.products = compiled and len(seeds) <= _PRODUCTS_MAX_STREAMS if products is None else products
+        self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
+            _compiled_pieces() if compiled else
+            (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
         cfg = model.cfg
         self.model, self.device, self.window = model, device, window
         self.temperature, self.top_k = temperature, top_k
@@ -125,15 +135,17 @@ class Decoder:
         self.n_streams = B
         self.chunk = max(16, min(256, _NOISE_ELEMENTS // (B * V)))
         with torch.inference_mode():
-            shape = (cfg.n_rows, B, cfg.n_heads, W, cfg.head_dim)
-            self.k_RBHWd = torch.zeros(shape, dtype=self.dtype, device=device)
-            self.v_RBHWd = torch.zeros(shape, dtype=self.dtype, device=device)
+            shape = (cfg.n_rows, 2, B, cfg.n_heads, W, cfg.head_dim)
+            self.kv_R2BHWd = torch.zeros(shape, dtype=self.dtype, device=device)
+            self.k_RBHWd, self.v_RBHWd = self.kv_R2BHWd[:, 0], self.kv_R2BHWd[:, 1]  # views
             self.pos_B = torch.zeros(B, dtype=torch.long, device=device)
             self.tok_B = torch.zeros(B, dtype=torch.long, device=device)
             self.positions_W = torch.arange(W, device=device)
             cos_Wd, sin_Wd = rope_tables(self.positions_W, cfg.head_dim, cfg.rope_base)
             self.cos_Wd, self.sin_Wd = torch.cat([cos_Wd, cos_Wd], -1), torch.cat([-sin_Wd, sin_Wd], -1)  # rope_step's
-            self.first_BH = torch.arange(B * cfg.n_heads, device=device).view(B, cfg.n_heads) * W  # flat row of (b, h, 0)
+            # The flat row of (b, k or v, h, position 0) in a cache row's [2*B*H*W, Dh] view.
+            first_BH = torch.arange(B * cfg.n_heads, device=device).view(B, 1, cfg.n_heads) * W
+            self.first_B2H = first_BH + torch.tensor([0, B * cfg.n_heads * W], device=device)[:, None]
             self.slot_1 = torch.zeros(1, dtype=torch.long, device=device)  # this step's row of noise_CBV / out_CB
             self.out_CB = torch.zeros(self.chunk, B, dtype=torch.long, device=device)
             self.keys_B2 = stream_keys(seeds, device)
@@ -161,7 +173,7 @@ class Decoder:
 
     def _mlp(self, mlp, cast) -> MLPWeights:
         if isinstance(mlp, DenseMLP):
-            return MLPWeights("dense", (cast(mlp.gate_up), cast(mlp.down)))
+            return MLPWeights("dense", (cast(mlp.gate_up), cast(mlp.down)), products=self.products)
         if not isinstance(mlp, PooledMLP):
             raise ValueError(f"cannot decode a row whose MLP is a {type(mlp).__name__}")
         router = mlp.router
@@ -172,21 +184,20 @@ class Decoder:
                                  "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
             if self.qkv_step is not decode_step.qkv_step:
                 raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
-            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts)
+            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts, products=self.products)
         grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and auto_grouped(mlp, self.n_streams))
         stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
         return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
-                          fused=mlp.cfg.swiglu == "auto")
+                          fused=mlp.cfg.swiglu == "auto", products=self.products)
 
     # ------------------------------------------------------------------ the step (captured)
 
-    def _attend(self, i: int, q_BHd: Tensor, k_BHd: Tensor, v_BHd: Tensor, mask_B11W: Tensor,
-                slots_N: Tensor) -> Tensor:
+    def _attend(self, i: int, q_BHd: Tensor, kv_B2Hd: Tensor, mask_B11W: Tensor, slots_N: Tensor) -> Tensor:
         """Write row i's new keys and values at each stream's position (in place), attend: [B, H, 1, Dh]."""
-        Dh = self.head_dim
+        self.kv_R2BHWd[i].view(-1, self.head_dim).index_copy_(0, slots_N, kv_B2Hd.reshape(-1, self.head_dim))
         k_BHWd, v_BHWd = self.k_RBHWd[i], self.v_RBHWd[i]
-        k_BHWd.view(-1, Dh).index_copy_(0, slots_N, k_BHd.reshape(-1, Dh))
-        v_BHWd.view(-1, Dh).index_copy_(0, slots_N, v_BHd.reshape(-1, Dh))
+        if self.products:
+            return self.attend_step(q_BHd, k_BHWd, v_BHWd, mask_B11W)
         return F.scaled_dot_product_attention(q_BHd.unsqueeze(2), k_BHWd, v_BHWd, attn_mask=mask_B11W)
 
     def _forward(self) -> Tensor:
@@ -197,12 +208,13 @@ class Decoder:
         future_BW = self.positions_W > pos_B[:, None]  # keys a query must not see (stale slots included)
         mask_B11W = torch.zeros(future_BW.shape, dtype=self.dtype, device=self.device).masked_fill_(
             future_BW, -math.inf)[:, None, None, :]
-        slots_N = (self.first_BH + pos_B[:, None]).view(-1)  # N = B*H rows of a cache row's [B*H*W, Dh] view
+        slots_N = (self.first_B2H + pos_B[:, None, None]).view(-1)  # N = B*2*H rows of a cache row's view
         for i in range(len(model.rows)):
-            q, k, v = self.qkv_step(x_BD, *self.attn_norms[i], self.w_qkv[i], cos_B11d, sin_B11d, self.n_heads)
-            y_BH1d = self._attend(i, q, k, v, mask_B11W, slots_N)
+            q, kv = self.qkv_step(x_BD, *self.attn_norms[i], self.w_qkv[i], cos_B11d, sin_B11d, self.n_heads,
+                                  self.products)
+            y_BH1d = self._attend(i, q, kv, mask_B11W, slots_N)
             x_BD = self.tail_step(x_BD, y_BH1d, self.w_proj[i], *self.mlp_norms[i], self.mlps[i])
-        return self.head_step(x_BD, *self.final_norm, self.w_head)
+        return self.head_step(x_BD, *self.final_norm, self.w_head, self.products)
 
     def _step(self) -> Tensor:
         """One character of every stream: forward, pick, record; the unit a CUDA graph captures."""
@@ -304,10 +316,10 @@ _COMPILED: tuple | None = None
 
 
 def _compiled_pieces() -> tuple:
-    """qkv_step, tail_step and head_step through torch.compile, made once per process (dynamo's cache
-    then serves every decoder of the same shapes)."""
+    """qkv_step, attend_step, tail_step and head_step through torch.compile, made once per process
+    (dynamo's cache then serves every decoder of the same shapes)."""
     global _COMPILED
     if _COMPILED is None:
         _COMPILED = tuple(torch.compile(f, dynamic=False) for f in
-                          (decode_step.qkv_step, decode_step.tail_step, decode_step.head_step))
+                          (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
     return _COMPILED

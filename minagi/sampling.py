@@ -139,7 +139,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
           top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
           window: int | None = None, keep: int | None = None, graphs: str = "auto",
           offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
-          compiled: bool = False) -> Iterator[list[str]]:
+          compiled: bool = False, products: bool | None = None) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
     `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)` (on a GPU
     up to bf16 rounding, which kernels for a batch may do differently from kernels for one stream).
@@ -148,6 +148,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
     expert_path: how a step runs its experts (`decode.Decoder`; `auto` unless measuring).
     compiled: the step's pieces through torch.compile (CUDA, resident experts; a one-off compile).
+    products: the step's products written as sums (`decode.Decoder`; None, its rule, unless measuring).
     sync_every: steps written between two reads of the characters (the host sync); 1 streams each
     character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
     checked here, before the first character is asked for.
@@ -165,7 +166,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
     return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every, read,
-                  (expert_path, compiled))
+                  (expert_path, compiled, products))
 
 
 @contextlib.contextmanager
@@ -188,11 +189,11 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temp
     if n_chars == 0:
         return
     B = len(ids)
-    expert_path, compiled = step
+    expert_path, compiled, products = step
     stagers, chosen = _stagers(model), read == "experts"
     with _reading(stagers, chosen):  # the capture records the step's reads
         decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
-                          graphs=graphs, expert_path=expert_path, compiled=compiled)
+                          graphs=graphs, expert_path=expert_path, compiled=compiled, products=products)
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     filled = [len(w) for w in windows]              # the same count, kept without reading back
     with _reading(stagers, chosen):

@@ -7,8 +7,11 @@ well beyond rounding. Each kind of row is covered: pooled experts built for ever
 (prefill uses it; the step has its own expert path), a capacity factor (writing is dropless), the
 dense twin, and frozen NF4 experts.
 """
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minagi import decode, decode_step, sampling
 from minagi.config import ExpertsConfig, load_config
@@ -104,6 +107,34 @@ def test_static_decode_equals_the_uncached_reference_in_characters_and_logits_ac
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"character {i}")
     # Positions matter in these models: the same text later in the window reads differently.
     assert window == 1 or not torch.allclose(static_logits[0], static_logits[-1], atol=1e-2)
+
+
+@pytest.mark.parametrize("temperature, window, keep", [(0.0, None, None), (1.0, 3, 2)], ids=["greedy", "t1-window-3"])
+def test_the_products_step_writes_the_references_text_across_slides(model, temperature, window, keep):
+    # The compiled few-stream step's formulation (products and sums, top-k by rounds), run eagerly.
+    kwargs = {"temperature": temperature, "window": window, "keep": keep}
+    assert fast(model, ["the ", "a quick"], 45, products=True, **kwargs) == [reference(model, p, 45, seed=7 + i, **kwargs)
+                                                               for i, p in enumerate(["the ", "a quick"])]
+
+
+def test_the_products_pieces_compute_what_the_gemv_sort_and_sdpa_pieces_compute():
+    torch.manual_seed(0)
+    x_BD, w_OD = torch.randn(3, 32), torch.randn(48, 32)
+    torch.testing.assert_close(decode_step.linear_step(x_BD, w_OD, True), F.linear(x_BD, w_OD), rtol=1e-5, atol=1e-5)
+    scores_NE = torch.randn(64, 16)
+    for k in (1, 2, 5):
+        assert torch.equal(decode_step.top_k_by_rounds(scores_NE, k), scores_NE.topk(k, dim=-1).indices)
+    q_BHd, k_BHWd, v_BHWd = torch.randn(2, 3, 8), torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
+    mask_B11W = torch.zeros(2, 1, 1, 10).masked_fill_(torch.arange(10) > torch.tensor([[[[4]]], [[[9]]]]), -math.inf)
+    expected = F.scaled_dot_product_attention(q_BHd[:, :, None], k_BHWd, v_BHWd, attn_mask=mask_B11W)
+    torch.testing.assert_close(decode_step.attend_step(q_BHd, k_BHWd, v_BHWd, mask_B11W), expected,
+                               rtol=1e-5, atol=1e-5)
+    gate_up_EDF2, down_EFD = torch.randn(6, 32, 2 * 24), torch.randn(6, 24, 32)
+    router_ED = torch.randn(6, 32)
+    mlps = [decode_step.MLPWeights("gathered", (router_ED, None, gate_up_EDF2, down_EFD), 2, products=p)
+            for p in (False, True)]
+    torch.testing.assert_close(decode_step.mlp_step(x_BD, mlps[1]), decode_step.mlp_step(x_BD, mlps[0]),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_static_decode_equals_todays_cached_path_greedy_for_a_long_prompt(model):
@@ -367,7 +398,7 @@ def test_the_compiled_step_writes_the_eager_steps_text_and_compiles_each_piece_o
     counters.clear()
     assert fast(model, prompts, 45, temperature=0.0, compiled=True) == eager
     assert fast(model, prompts, 45, temperature=0.0, compiled=True, graphs="off") == eager
-    assert counters["stats"]["unique_graphs"] <= 3, (dict(counters["stats"]), dict(counters["graph_break"]))  # qkv, tail, head: one each
+    assert counters["stats"]["unique_graphs"] <= 4, (dict(counters["stats"]), dict(counters["graph_break"]))  # qkv, attend, tail, head
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
 

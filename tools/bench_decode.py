@@ -225,6 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     if cuda and args.compiled:  # the step's pieces through torch.compile
         case("static, compiled", "on", 1, 1, compiled=True)
         case("static, compiled, read every 16", "on", 1, 16, compiled=True)
+        case("static, compiled, GEMV/sort/SDPA kernels (no products)", "on", 1, 1, compiled=True, products=False)
         case("static, compiled", "on", B, 16, compiled=True)
     if model.cfg.mlp == "pooled" and model.pools()[0].path == "native" and cuda:
         for streams in (1, B):  # the expert path auto does not take, beside the one it takes
