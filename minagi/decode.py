@@ -187,6 +187,8 @@ class Decoder:
             return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts, products=self.products)
         grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and auto_grouped(mlp, self.n_streams))
         stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
+        if self.products and not grouped:  # decode_step.gathered_products sums along contiguous memory
+            stacks = tuple(s.transpose(1, 2).contiguous() for s in stacks)
         return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
                           fused=mlp.cfg.swiglu == "auto", products=self.products)
 

@@ -45,7 +45,8 @@ class MLPWeights(NamedTuple):
     however many streams chose it), `dense`, or `stack` (gathered through the expert-weights seam:
     frozen stacks dequantize just the chosen experts). tensors: router [E, D], its selection bias
     [E] or None, then the stacks gate_up [E, D, 2F], down [E, F, D] (`dense`: [D, 2H], [H, D]; `stack`:
-    the router's two only)."""
+    the router's two only; `gathered` with `products`: the stacks transposed, [E, 2F, D] and [E, D, F],
+    so that each product sums along contiguous memory)."""
     kind: str
     tensors: tuple
     top_k: int = 0
@@ -127,14 +128,15 @@ def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:
     return torch.bmm(act_S1F, down_SFD).view(B, K, D).sum(1)  # the K outputs in routing order, as combine
 
 
-def gathered_products(x_BD: Tensor, gates_BK: Tensor, ids_BK: Tensor, gate_up_EDF2: Tensor,
-                      down_EFD: Tensor) -> Tensor:
-    """The gathered path as products and sums: each routed row's expert read where it lies in the
-    stack (compiled, the gather is the reduction's own indexed load, no copy). [B, D] -> [B, D]."""
+def gathered_products(x_BD: Tensor, gates_BK: Tensor, ids_BK: Tensor, gate_up_EF2D: Tensor,
+                      down_EDF: Tensor) -> Tensor:
+    """The gathered path as products and sums over the transposed stacks: each routed row's expert
+    read where it lies (compiled, the gather is the reduction's own indexed load, no copy; the sums
+    run along contiguous memory: the stacks' own layout made the down sum 5x slower). [B, D] -> [B, D]."""
     dtype = x_BD.dtype
-    h_BKF2 = (x_BD[:, None, :, None].float() * gate_up_EDF2[ids_BK].float()).sum(2).to(dtype)
+    h_BKF2 = (x_BD[:, None, None, :].float() * gate_up_EF2D[ids_BK].float()).sum(-1).to(dtype)
     act_BKF = swiglu_eager(h_BKF2, gates_BK)
-    y_BKD = (act_BKF[..., None].float() * down_EFD[ids_BK].float()).sum(2).to(dtype)
+    y_BKD = (act_BKF[:, :, None, :].float() * down_EDF[ids_BK].float()).sum(-1).to(dtype)
     return y_BKD.sum(1)  # the K outputs in routing order, as combine
 
 

@@ -49,7 +49,8 @@ def init_from_checkpoint(model: CharLM, payload: dict, path: str | Path) -> list
     from .frozen import frozen_stacks
     state = payload["model"]
     frozen = frozen_stacks(model)
-    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    saved = model.state_dict(keep_vars=True).keys()  # not the buffers a model remakes (RoPE tables)
+    targets = {**dict(model.named_parameters()), **{k: b for k, b in model.named_buffers() if k in saved}}
     for key, value in state.items():
         if key in frozen:
             if tuple(value.shape) != frozen[key].shape:

@@ -73,12 +73,21 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout  # on the attention probabilities, in training only (as nanoGPT)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        # RoPE tables for the context's positions, made once: computed in forward, a compiled step
+        # fused the cos/sin into every rotated element (37 of a 156 ms h200 step, docs/benchmarks.md §10).
+        # Not persistent: checkpoints stay as they were.
+        cos_Td, sin_Td = rope_tables(torch.arange(cfg.context), cfg.head_dim, cfg.rope_base)
+        self.register_buffer("rope_cos", cos_Td, persistent=False)
+        self.register_buffer("rope_sin", sin_Td, persistent=False)
 
     def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B,H,T,Dh]
         start = cache.length if cache is not None else 0
-        cos, sin = rope_tables(torch.arange(start, start + T, device=x_BTD.device), self.head_dim, self.rope_base)
+        if start + T <= self.rope_cos.shape[0]:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        else:  # a cache longer than the context
+            cos, sin = rope_tables(torch.arange(start, start + T, device=x_BTD.device), self.head_dim, self.rope_base)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(row, k, v)  # [B, H, L, Dh]
