@@ -407,10 +407,8 @@ def test_the_compiled_step_is_the_eager_step_up_to_bf16_rounding_and_compiles_ea
     # Fused kernels sum in another order: greedy texts may part at a near tie. Up to the first step
     # where a stream's character differs, both steps read the same characters, so their logits agree.
     first = min(next((i for i, (a, b) in enumerate(zip(c, e)) if a != b), 45) for c, e in zip(compiled, eager))
-    for step in range(min(first + 1, 45)):
-        a, b = compiled_logits[step], eager_logits[step]
-        error, scale = (a - b).abs().max().item(), b.abs().max().item()
-        assert error <= 0.02 * scale + 0.02, f"step {step}: logits differ by {error:.4f} (largest {scale:.2f})"
+    for step in range(min(first + 1, 45)):  # the bf16 tolerance of the static path's test above
+        torch.testing.assert_close(compiled_logits[step], eager_logits[step], rtol=5e-2, atol=5e-2, msg=f"step {step}")
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
 
