@@ -390,25 +390,39 @@ def test_a_compiled_step_needs_cuda_and_resident_experts():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("kind", ["native", "grouped", "dense"])
-def test_the_compiled_step_is_the_eager_step_up_to_bf16_rounding_and_compiles_each_piece_once(kind, monkeypatch):
+def test_the_compiled_step_is_as_close_to_fp32_as_the_eager_step_and_compiles_each_piece_once(kind, monkeypatch):
     from torch._dynamo.utils import counters
     model = make_model(kind, "cuda")
     prompts = ["the ", "a", "lazy d", "fox"]  # native: 4 streams take the grouped expert path
     eager_logits = _seen(monkeypatch, decode, "pick")  # graphs off: pick runs eagerly every step
-    eager = fast(model, prompts, 45, temperature=0.0, graphs="off")
+    eager = fast(model, prompts, 12, temperature=0.0, graphs="off")
     monkeypatch.undo()
     torch._dynamo.reset()
     counters.clear()
     compiled_logits = _seen(monkeypatch, decode, "pick")
-    compiled = fast(model, prompts, 45, temperature=0.0, compiled=True, graphs="off")  # products: 4 streams
+    compiled = fast(model, prompts, 12, temperature=0.0, compiled=True, graphs="off")  # products: 4 streams
     monkeypatch.undo()
-    assert fast(model, prompts, 45, temperature=0.0, compiled=True) == compiled  # the graph of the same kernels
+    assert fast(model, prompts, 12, temperature=0.0, compiled=True) == compiled  # the graph of the same kernels
     assert counters["stats"]["unique_graphs"] <= 4, (dict(counters["stats"]), dict(counters["graph_break"]))  # qkv, attend, tail, head
-    # Fused kernels sum in another order: greedy texts may part at a near tie. Up to the first step
-    # where a stream's character differs, both steps read the same characters, so their logits agree.
-    first = min(next((i for i, (a, b) in enumerate(zip(c, e)) if a != b), 45) for c, e in zip(compiled, eager))
-    for step in range(min(first + 1, 45)):  # the bf16 tolerance of the static path's test above
-        torch.testing.assert_close(compiled_logits[step], eager_logits[step], rtol=5e-2, atol=5e-2, msg=f"step {step}")
+    # The products step sums in fp32 where the eager one rounds to bf16 (SDPA's probabilities), so it
+    # departs from the eager step by more than the eager step's own rounding, towards fp32: measured
+    # on the H200, 0.40 against the eager step's 0.84 (max |logit error| vs fp32). Both against the
+    # same model in fp32 on the CPU, over the steps where both read the same characters in one window.
+    reference_model = make_model(kind)
+    reference_model.load_state_dict(model.state_dict())
+    errors = {"eager": [], "compiled": []}
+    for b, prompt in enumerate(prompts):
+        for j in range(min(12, CONTEXT - len(prompt) + 1)):  # step j read prompt + j characters
+            if compiled[b][:j] != eager[b][:j]:
+                break
+            with torch.no_grad():
+                ids = torch.from_numpy(VOCAB.encode(prompt + eager[b][:j])).long()[None]
+                logits = reference_model(ids)
+                exact_V = (logits[0] if isinstance(logits, tuple) else logits)[0, -1].float()
+            errors["eager"].append((eager_logits[j][b].float().cpu() - exact_V).abs().max().item())
+            errors["compiled"].append((compiled_logits[j][b].float().cpu() - exact_V).abs().max().item())
+    assert len(errors["eager"]) >= len(prompts)
+    assert max(errors["compiled"]) <= 1.25 * max(errors["eager"]), errors
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
 

@@ -23,6 +23,25 @@ def test_kv_cached_incremental_logits_equal_full_forward_logits():
     assert cache.length == 20
 
 
+def test_rope_tables_are_made_once_left_out_of_checkpoints_and_still_reach_past_the_context():
+    from minagi.model import rope_tables
+    torch.manual_seed(0)
+    model = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
+    attn = model.rows[0].attn
+    cos_Td, sin_Td = rope_tables(torch.arange(CFG.context), CFG.head_dim, CFG.rope_base)
+    assert torch.equal(attn.rope_cos, cos_Td) and torch.equal(attn.rope_sin, sin_Td)
+    assert not [k for k in model.state_dict() if "rope" in k]  # checkpoints are as before the tables
+    fresh = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
+    fresh.load_state_dict(model.state_dict())  # strict: the tables are not missing keys
+    idx = torch.randint(0, 11, (1, 40))  # longer than the context: positions past the tables
+    with torch.no_grad():
+        cache = model.new_cache(batch_size=1, max_len=40)
+        model(idx[:, :30], cache=cache)                  # from the tables
+        late = model(idx[:, 30:], cache=cache).logits    # positions 30..39: computed
+        full = model(idx).logits                         # 0..39: computed
+    torch.testing.assert_close(late, full[:, 30:], atol=1e-5, rtol=1e-4)
+
+
 def test_cache_refuses_to_overflow():
     model = build_model(CFG, POOL, vocab_size=5, device="cpu").eval()
     cache = model.new_cache(batch_size=1, max_len=4)
