@@ -46,7 +46,7 @@ from .dense import DenseMLP
 from .devices import autocast
 from .experts import ExpertStack
 from .gumbel import gumbel_noise, pick, stream_keys
-from .model import CharLM, rope_tables
+from .model import CharLM
 from .pool import PooledMLP
 
 __all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "inference"]
@@ -141,7 +141,7 @@ class Decoder:
             self.pos_B = torch.zeros(B, dtype=torch.long, device=device)
             self.tok_B = torch.zeros(B, dtype=torch.long, device=device)
             self.positions_W = torch.arange(W, device=device)
-            cos_Wd, sin_Wd = rope_tables(self.positions_W, cfg.head_dim, cfg.rope_base)
+            cos_Wd, sin_Wd = model.rows[0].attn.rope(0, W, device)  # the prefill's tables, bit for bit
             self.cos_Wd, self.sin_Wd = torch.cat([cos_Wd, cos_Wd], -1), torch.cat([-sin_Wd, sin_Wd], -1)  # rope_step's
             # The flat row of (b, k or v, h, position 0) in a cache row's [2*B*H*W, Dh] view.
             first_BH = torch.arange(B * cfg.n_heads, device=device).view(B, 1, cfg.n_heads) * W

@@ -60,14 +60,16 @@ def linear_step(x_BI: Tensor, w_OI: Tensor, products: bool) -> Tensor:
     fp32 (one reduction kernel compiled; it reads the weight once per row, so for few rows only)."""
     if not products:
         return F.linear(x_BI, w_OI)
-    dtype = compute_dtype(x_BI)
-    return (x_BI.to(dtype)[..., None, :].float() * w_OI.float()).sum(-1).to(dtype)
+    dtype = compute_dtype(x_BI)  # both operands rounded to it, as autocast rounds F.linear's
+    return (x_BI.to(dtype)[..., None, :].float() * w_OI.to(dtype).float()).sum(-1).to(dtype)
 
 
 def top_k_by_rounds(scores_NE: Tensor, k: int) -> Tensor:
-    """The top k indices [N, K] in descending order, as `topk`, by k rounds of argmax (ties: the lower
-    index first): compiled, one fused reduction instead of a sort."""
+    """The top k indices [N, K] in descending order, as `topk`, by k rounds of argmax: compiled, one
+    fused reduction instead of a sort. Ties go to the lower index (topk promises no order there);
+    -inf scores are clamped first, so a chosen expert (masked to -inf) is never chosen again."""
     experts_E = torch.arange(scores_NE.shape[-1], device=scores_NE.device)
+    scores_NE = scores_NE.clamp(min=torch.finfo(scores_NE.dtype).min)  # NaN stays NaN: argmax's largest, as topk's
     ids = []
     for _ in range(k):
         ids.append(scores_NE.argmax(-1))

@@ -80,14 +80,18 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos_Td, persistent=False)
         self.register_buffer("rope_sin", sin_Td, persistent=False)
 
+    def rope(self, start: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, Dh/2] of positions start..start+T-1: the tables' rows, or made for positions
+        past the context (a longer cache) and for tables a dtype cast has rounded (model.half())."""
+        if start + T <= self.rope_cos.shape[0] and self.rope_cos.dtype == torch.float32:
+            return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        return rope_tables(torch.arange(start, start + T, device=device), self.head_dim, self.rope_base)
+
     def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> Tensor:
         B, T, D = x_BTD.shape
         q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B,H,T,Dh]
         start = cache.length if cache is not None else 0
-        if start + T <= self.rope_cos.shape[0]:
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        else:  # a cache longer than the context
-            cos, sin = rope_tables(torch.arange(start, start + T, device=x_BTD.device), self.head_dim, self.rope_base)
+        cos, sin = self.rope(start, T, x_BTD.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(row, k, v)  # [B, H, L, Dh]

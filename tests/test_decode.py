@@ -124,6 +124,11 @@ def test_the_products_pieces_compute_what_the_gemv_sort_and_sdpa_pieces_compute(
     scores_NE = torch.randn(64, 16)
     for k in (1, 2, 5):
         assert torch.equal(decode_step.top_k_by_rounds(scores_NE, k), scores_NE.topk(k, dim=-1).indices)
+    ties = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-math.inf, 0.5, -math.inf, -math.inf]])
+    assert decode_step.top_k_by_rounds(ties, 2).tolist() == [[0, 1], [1, 0]]  # distinct, whatever the ties
+    probs_NE, bias_E = torch.rand(64, 16).softmax(-1), torch.randn(16) * 0.01  # the aux-free bias
+    expected = decode_step.choose_experts(probs_NE, bias_E, 3)
+    assert torch.equal(decode_step.top_k_by_rounds(probs_NE + bias_E, 3), expected)
     q_BHd, k_BHWd, v_BHWd = torch.randn(2, 3, 8), torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
     mask_B11W = torch.zeros(2, 1, 1, 10).masked_fill_(torch.arange(10) > torch.tensor([[[[4]]], [[[9]]]]), -math.inf)
     expected = F.scaled_dot_product_attention(q_BHd[:, :, None], k_BHWd, v_BHWd, attn_mask=mask_B11W)
@@ -421,7 +426,7 @@ def test_the_compiled_step_is_as_close_to_fp32_as_the_eager_step_and_compiles_ea
                 exact_V = (logits[0] if isinstance(logits, tuple) else logits)[0, -1].float()
             errors["eager"].append((eager_logits[j][b].float().cpu() - exact_V).abs().max().item())
             errors["compiled"].append((compiled_logits[j][b].float().cpu() - exact_V).abs().max().item())
-    assert len(errors["eager"]) >= len(prompts)
+    assert len(errors["eager"]) > len(prompts)  # beyond each stream's first step
     assert max(errors["compiled"]) <= 1.25 * max(errors["eager"]), errors
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
