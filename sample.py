@@ -84,6 +84,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
                         "per character after a compile of some seconds; for long writing (docs/sampling.md)")
+    p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
+                   help="with --compile: write the step's products as sums (fused by inductor); auto = with "
+                        "at most 8 streams (default; faster on the h200 profile, slower on cuda_small: "
+                        "docs/sampling.md)")
     p.add_argument("--chars", type=_non_negative_int, default=500, help="characters to write (default 500)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=0,
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_checkpoint(args.checkpoint)
         device = choose_device(args.device, option="--device")
+        if args.products != "auto" and not args.compile:
+            raise UsageError(f"--products {args.products} shapes the compiled step: add --compile")
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,
                           window=args.window, keep=args.keep, graphs=args.graphs, offload_read=args.offload_read,
-                          compiled=args.compile,
+                          compiled=args.compile, products={"auto": None, "on": True, "off": False}[args.products],
                           sync_every=1 if len(prompts) == 1 else 16)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None

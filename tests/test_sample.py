@@ -312,6 +312,12 @@ def test_sample_py_negative_or_malformed_numbers_exit_2_naming_the_option(run_di
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_sample_py_products_without_compile_is_one_line_and_exit_2(run_dir, capsys):
+    assert sample_py.main([str(run_dir / "last.pt"), "--products", "off"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --products off shapes the compiled step: add --compile"]
+
+
 def test_sample_py_window_larger_than_the_context_is_one_line_and_exit_2(run_dir, capsys):
     assert sample_py.main([str(run_dir / "last.pt"), "--window", str(CONTEXT + 1)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
