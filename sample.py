@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     from minagi.loading import load_trained
     from minagi.sampling import SamplingError, resolve_graphs, resolve_offload_read, write
     try:
-        path = resolve_checkpoint(args.checkpoint)
-        device = choose_device(args.device, option="--device")
         if args.products != "auto" and not args.compile:
             raise UsageError(f"--products {args.products} shapes the compiled step: add --compile")
+        path = resolve_checkpoint(args.checkpoint)
+        device = choose_device(args.device, option="--device")
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")

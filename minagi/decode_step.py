@@ -12,9 +12,10 @@ compiled piece: compiled, an in-place update of a graph input became a copy of t
 (projection, residual, norm, MLP, residual). Each computes what the model's own modules compute, in
 the same order and dtypes.
 
-`products` (a compiled step of few streams): every matrix-vector product is written as products and
-a sum (`linear_step`), the gathered experts' too, the attention as `attend_step`, the top-k as rounds
-of argmax (`top_k_by_rounds`). Eagerly that would materialise every product; compiled, inductor
+`products` (a compiled step of few streams): the matrix-vector products of qkv, projection, router
+and head are written as products and a sum (`linear_step`), the gathered experts' too, the attention
+as `attend_step`, the top-k as rounds of argmax (`top_k_by_rounds`); the dense twin's SwiGLU and the
+grouped path keep their GEMMs. Eagerly that would materialise every product; compiled, inductor
 makes each one reduction kernel that reads its weights once and fuses what feeds it and what
 follows (the experts' gather, the router's softmax with the top-k), where the extern GEMV, sort and
 SDPA kernels were ~2.6 µs each and many (docs/benchmarks.md §11). The same math up to the order of
@@ -52,7 +53,7 @@ class MLPWeights(NamedTuple):
     top_k: int = 0
     fused: bool = False  # the grouped path's SwiGLU may use the Triton kernels
     stack: object = None  # `stack`: its `weights(dtype, experts=ids)`
-    products: bool = False  # router, top-k and gathered experts as products and sums (module docstring)
+    products: bool = False  # the row's projection, router, top-k and gathered experts as sums (module docstring)
 
 
 def linear_step(x_BI: Tensor, w_OI: Tensor, products: bool) -> Tensor:
