@@ -6,9 +6,10 @@ width, V vocabulary, K top_k, S = B*K routed rows, F expert width, C steps of on
 
 `Decoder` holds, for B streams written side by side, everything a step reads or writes, allocated
 once: the cache [R, 2, B, H, W, Dh] (per row its keys, then its values: one index_copy_ writes
-both), each stream's position `pos_B`
+both), the character fed at each cache position `text_BW`, each stream's position `pos_B`
 (where its next key goes) and input character `tok_B`, RoPE tables for positions 0..W-1, the
-sampling noise of the next C steps, and the characters written. A step (`_step`) embeds `tok_B`,
+sampling noise of the next C steps, and the characters written. A step (`_step`) records `tok_B` in
+`text_BW`, embeds it,
 writes each row's new key and value at `pos_B` in place (index_copy_ into the row's flat view),
 attends over the whole window with a mask that keeps keys at positions <= the query's, runs the
 MLP, samples on the device and advances `pos_B`, `tok_B` and the noise slot. Its shapes never
@@ -27,9 +28,14 @@ stream that chose it, so with many streams, where the pool's own path is torch's
 a step, however many streams chose it; its sort and counts make no host sync either). Writing is
 dropless and computes no aux terms. The dense twin is one SwiGLU.
 
-A window's characters but the last are *prefilled* by the model's own forward (outside the graph,
-its usual dispatch) and copied into the stream's slots; the last is the next step's input. The
-driver (minagi/sampling.py `write`) decides when a stream slides and reads the characters back.
+A window's characters but the last are *prefilled* (`_window_forward`: the step's functions over T
+positions at once, causal attention among them, the experts by the pool's own grouped GEMM) into
+the stream's slots; the last is the next step's input. A *slide* (`slide`) restarts a stream on its
+last `keep` characters from `text_BW`, on the device: no host read, and where every row's prefill
+has no host sync (resident experts on torch's grouped GEMM, or the dense twin) one CUDA graph a
+number of sliding streams replays it. The driver (minagi/sampling.py `write`) decides when a stream
+slides and reads the characters back: each step's row is copied to pinned host memory behind the
+step, so a read waits for that step only, not for the one queued after it.
 """
 from __future__ import annotations
 
@@ -43,19 +49,25 @@ from torch import Tensor
 from . import decode_step
 from .decode_step import MLPWeights
 from .dense import DenseMLP
+from .dispatch import _host_to_device
 from .devices import autocast
 from .experts import ExpertStack
 from .gumbel import gumbel_noise, pick, stream_keys
 from .model import CharLM
 from .pool import PooledMLP
 
-__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "inference"]
+__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference"]
 
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
 _WARMUP_STEPS = 3          # eager steps before a capture: cuBLAS handles, allocations, Triton tables
 _PRODUCTS_MAX_STREAMS = 8  # compiled, `products` up to this many streams (beyond, GEMMs reuse weights)
 _NOISE_ELEMENTS = 1 << 22  # noise table size that sets C (steps of noise made at once), within 16..256
+
+
+def default_keep(window: int) -> int:
+    """Characters re-prefilled on a slide: 7/8 of the window (at least 1)."""
+    return max(1, window - window // 8)
 
 
 @contextlib.contextmanager
@@ -95,7 +107,8 @@ def auto_grouped(pool: PooledMLP, n_streams: int) -> bool:
 class Decoder:
     """B streams of `model` over a window of W positions: prefill, advance one character, read back.
 
-    seeds: one per stream (its noise, minagi/gumbel.py). temperature / top_k: as `gumbel.pick`.
+    seeds: one per stream (its noise, minagi/gumbel.py). keep: characters a slide restarts a stream on
+    (default `default_keep(window)`). temperature / top_k: as `gumbel.pick`.
     graphs: capture the step in a CUDA graph (the model must be on a CUDA device).
     expert_path: `gathered` (each routed row's experts gathered, as gpt-fast), `grouped` (the grouped
     GEMM on the whole resident stacks), or `auto`: grouped where the pool itself runs torch's
@@ -111,9 +124,9 @@ class Decoder:
     (on CUDA it holds bf16 copies of the matmul weights).
     """
 
-    def __init__(self, model: CharLM, seeds: list[int], window: int, *, temperature: float = 0.0,
-                 top_k: int = 0, graphs: bool = False, expert_path: str = "auto", compiled: bool = False,
-                 products: bool | None = None):
+    def __init__(self, model: CharLM, seeds: list[int], window: int, *, keep: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
+                 compiled: bool = False, products: bool | None = None):
         device = model.embed.weight.device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
@@ -127,7 +140,10 @@ class Decoder:
             _compiled_pieces() if compiled else
             (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
         cfg = model.cfg
+        if not 1 <= (keep or 1) <= window:
+            raise ValueError(f"keep must be 1..{window} (the window); got {keep}")
         self.model, self.device, self.window = model, device, window
+        self.keep = default_keep(window) if keep is None else keep
         self.temperature, self.top_k = temperature, top_k
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what autocast computes in
@@ -140,6 +156,7 @@ class Decoder:
             self.k_RBHWd, self.v_RBHWd = self.kv_R2BHWd[:, 0], self.kv_R2BHWd[:, 1]  # views
             self.pos_B = torch.zeros(B, dtype=torch.long, device=device)
             self.tok_B = torch.zeros(B, dtype=torch.long, device=device)
+            self.text_BW = torch.zeros(B, W, dtype=torch.long, device=device)  # the character at each cache slot
             self.positions_W = torch.arange(W, device=device)
             cos_Wd, sin_Wd = model.rows[0].attn.rope(0, W, device)  # the prefill's tables, bit for bit
             self.cos_Wd, self.sin_Wd = torch.cat([cos_Wd, cos_Wd], -1), torch.cat([-sin_Wd, sin_Wd], -1)  # rope_step's
@@ -148,6 +165,7 @@ class Decoder:
             self.first_B2H = first_BH + torch.tensor([0, B * cfg.n_heads * W], device=device)[:, None]
             self.slot_1 = torch.zeros(1, dtype=torch.long, device=device)  # this step's row of noise_CBV / out_CB
             self.out_CB = torch.zeros(self.chunk, B, dtype=torch.long, device=device)
+            self.readback = _Readback(self.out_CB)
             self.keys_B2 = stream_keys(seeds, device)
             self.noise_CBV = torch.zeros(self.chunk, B, V, device=device) if temperature > 0 else None
             self._cast_weights()
@@ -156,7 +174,14 @@ class Decoder:
         self._row = self.chunk     # rows of out_CB written in this chunk (full: the first advance starts one)
         self._read = self.chunk    # rows of out_CB already read back
         self._backlog: list[list[int]] = []
-        self.graph = self._capture() if graphs else None
+        self.graph = self._capture(self._step) if graphs else None
+        if self.graph is not None:  # captured after the step: the step's warm-up leaves nothing behind
+            with torch.inference_mode():
+                for t in (self.pos_B, self.tok_B, self.slot_1):
+                    t.zero_()
+        # Slides of n streams, captured at the first (where every row's prefill is free of host syncs).
+        self._slides: dict[int, tuple[Tensor, "torch.cuda.CUDAGraph"]] = {}
+        self.slide_graphs = graphs and all(m.kind in ("grouped", "dense") for m in self.window_mlps)
 
     def _cast_weights(self) -> None:
         """The matmul weights in the writing dtype, once (on the CPU these are the parameters themselves)."""
@@ -170,6 +195,7 @@ class Decoder:
         self.attn_norms, self.mlp_norms = [norm(r.attn_norm) for r in rows], [norm(r.mlp_norm) for r in rows]
         self.final_norm = norm(model.final_norm)
         self.mlps = [self._mlp(row.mlp, cast) for row in rows]
+        self.window_mlps = [self._window_mlp(row.mlp, step) for row, step in zip(rows, self.mlps)]
 
     def _mlp(self, mlp, cast) -> MLPWeights:
         if isinstance(mlp, DenseMLP):
@@ -191,6 +217,19 @@ class Decoder:
             stacks = tuple(s.transpose(1, 2).contiguous() for s in stacks)
         return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
                           fused=mlp.cfg.swiglu == "auto", products=self.products)
+
+    def _window_mlp(self, mlp, step: MLPWeights) -> MLPWeights:
+        """A row's MLP for many positions (a prefill): the dense twin as in the step; resident experts
+        on torch's grouped GEMM where the pool runs it ("native": no host sync, so a slide can be
+        captured); otherwise the pool's own forward (its dispatch path, frozen stacks included)."""
+        if step.kind == "dense":
+            return step
+        if step.kind in ("gathered", "grouped") and mlp.path == "native":
+            gate_up, down = step.tensors[2:]
+            if step.products and step.kind == "gathered":  # transposed for the step: back to [E, D, 2F], [E, F, D]
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            return MLPWeights("grouped", step.tensors[:2] + (gate_up, down), step.top_k, fused=step.fused)
+        return MLPWeights("module", (), step.top_k, stack=mlp)
 
     # ------------------------------------------------------------------ the step (captured)
 
@@ -220,6 +259,7 @@ class Decoder:
 
     def _step(self) -> Tensor:
         """One character of every stream: forward, pick, record; the unit a CUDA graph captures."""
+        self.text_BW.scatter_(1, self.pos_B[:, None], self.tok_B[:, None])
         logits_BV = self._forward()
         noise_BV = None if self.noise_CBV is None else self.noise_CBV.index_select(0, self.slot_1)[0]
         next_B = pick(logits_BV, self.temperature, self.top_k, noise_BV)
@@ -238,22 +278,24 @@ class Decoder:
         with torch.inference_mode(), cast:
             yield
 
-    def _capture(self) -> "torch.cuda.CUDAGraph":
-        """Warm up on a side stream (as torch.cuda.graphs asks), capture one step, undo the warm-up."""
+    def _capture(self, run) -> "torch.cuda.CUDAGraph":
+        """Warm up `run` on a side stream (as torch.cuda.graphs asks), then capture one call of it.
+        The step's warm-up writes at positions 0..2 (pos_B is zeroed before each: a window may be
+        shorter than the warm-up); prefill and steps overwrite or mask them."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), self._step_context():
                 for _ in range(_WARMUP_STEPS):
-                    self.pos_B.zero_()  # a window may be shorter than the warm-up
-                    self._step()
+                    if run == self._step:
+                        self.pos_B.zero_()
+                    run()
             torch.cuda.current_stream().wait_stream(side)
             with self._step_context(), torch.cuda.graph(graph):
-                self.logits_BV = self._step()
-        with torch.inference_mode():  # warm-up wrote at positions 0..2: prefill and steps overwrite or mask them
-            for t in (self.pos_B, self.tok_B, self.slot_1):
-                t.zero_()
+                out = run()
+        if run == self._step:
+            self.logits_BV = out
         return graph
 
     # ------------------------------------------------------------------ host side
@@ -267,12 +309,13 @@ class Decoder:
         else:
             with self._step_context():
                 self.logits_BV = self._step()
+        self.readback.copy(self._row)
         self._row += 1
         self.t += 1
 
     def _new_chunk(self) -> None:
         """Keep the unread characters, make the noise of the next C steps, start the rows over."""
-        self._backlog += self.out_CB[self._read:self._row].tolist()
+        self._backlog += self.readback.rows(self._read, self._row)
         with torch.inference_mode():
             if self.noise_CBV is not None:
                 counts_C = torch.arange(self.t, self.t + self.chunk, device=self.device)
@@ -280,38 +323,117 @@ class Decoder:
             self.slot_1.zero_()
         self._row = self._read = 0
 
-    def read(self) -> list[list[int]]:
-        """The characters written since the last read: one list of B ids per step (one host sync)."""
-        rows = self._backlog + self.out_CB[self._read:self._row].tolist()
-        self._backlog, self._read = [], self._row
+    def read(self, lag: int = 0) -> list[list[int]]:
+        """The characters written since the last read but the last `lag` steps': one list of B ids per
+        step. Waits for the last step it returns only (a host sync on that step's copy), so with
+        lag 1 the step queued last runs on while the host takes the one before."""
+        upto = max(self._read, self._row - lag)
+        rows = self._backlog + self.readback.rows(self._read, upto)
+        self._backlog, self._read = [], upto
         return rows
 
     def prefill(self, streams: list[int], windows: list[list[int]]) -> None:
         """Start `streams` over at position 0 on `windows` (1..W character ids each): all but the last
-        character go into the stream's cache (the model's forward; equal windows run once), the last is
-        the next step's input."""
+        character go into the stream's cache (`_window_forward`, the streams of one length at once),
+        the last is the next step's input."""
         for window in windows:
             if not 1 <= len(window) <= self.window:
                 raise ValueError(f"a window holds 1..{self.window} characters; got {len(window)}")
-        targets: dict[tuple[int, ...], list[int]] = {}
-        for b, window in zip(streams, windows):
-            targets.setdefault(tuple(window), []).append(b)
-        with inference(self.model, self.device):
-            for n in sorted({len(w) - 1 for w in targets} - {0}):
-                self._prefill_group([w for w in targets if len(w) - 1 == n], targets, n)
+        lengths: dict[int, list[int]] = {}
+        with torch.inference_mode():
             index = torch.tensor(streams, device=self.device)
             self.pos_B[index] = torch.tensor([len(w) - 1 for w in windows], device=self.device)
             self.tok_B[index] = torch.tensor([w[-1] for w in windows], device=self.device)
+            for b, window in zip(streams, windows):
+                lengths.setdefault(len(window) - 1, []).append(b)
+                if len(window) > 1:
+                    self.text_BW[b, :len(window) - 1] = torch.tensor(window[:-1], device=self.device)
+        for n, group in sorted(lengths.items()):
+            if n > 0:
+                with inference(self.model, self.device), self._step_context():
+                    self._window_forward(torch.tensor(group, device=self.device), n)
 
-    def _prefill_group(self, group: list[tuple[int, ...]], targets: dict, n: int) -> None:
-        """Distinct windows of n + 1 characters: their first n through the model at once, into their streams."""
-        cache = self.model.new_cache(len(group), n)
-        self.model(torch.tensor([w[:-1] for w in group], device=self.device), cache=cache)
-        dest = [(b, j) for j, w in enumerate(group) for b in targets[w]]
-        streams = torch.tensor([b for b, _ in dest], device=self.device)
-        rows = torch.tensor([j for _, j in dest], device=self.device)
-        self.k_RBHWd[:, streams, :, :n] = cache.k[:, rows].to(self.dtype)
-        self.v_RBHWd[:, streams, :, :n] = cache.v[:, rows].to(self.dtype)
+    def slide(self, streams: list[int]) -> None:
+        """Restart `streams` on their last `keep` characters (the keep - 1 before the last in their cache
+        and the newest as the next step's input), from `text_BW`: no host read. Call it when a stream's
+        window is full and its newest character written (the step after would have no slot)."""
+        T = self.keep - 1
+        with torch.inference_mode():
+            index = _host_to_device(streams, self.device)
+            if T > 0:  # the last T characters of the cache to its first T slots
+                rows_BW = self.text_BW.index_select(0, index)
+                self.text_BW.index_copy_(0, index, rows_BW.roll(T - self.window, 1))
+                self._prefill_slid(index)
+            self.pos_B.index_fill_(0, index, T)
+
+    def _prefill_slid(self, index: Tensor) -> None:
+        """The keep - 1 characters now at the front of `text_BW` of streams `index` into their cache:
+        replayed from a graph per number of streams where captured (idempotent: the warm-up and the
+        capture recompute what they overwrite), else eagerly."""
+        if not self.slide_graphs:
+            with inference(self.model, self.device), self._step_context():
+                self._window_forward(index, self.keep - 1)
+            return
+        self.prepare_slides([index.shape[0]])
+        static, graph = self._slides[index.shape[0]]
+        static.copy_(index)
+        graph.replay()
+
+    def prepare_slides(self, sizes) -> None:
+        """Capture the slide graphs of these numbers of streams now (before a prefill, or at the first
+        slide of that many): a capture costs tens of ms, which a slide's replay does not."""
+        for n in sizes:
+            if self.slide_graphs and self.keep > 1 and n not in self._slides:
+                static = torch.arange(n, device=self.device)
+                self._slides[n] = static, self._capture(lambda: self._window_forward(static, self.keep - 1))
+
+    def _window_forward(self, streams_n: Tensor, T: int) -> None:
+        """Keys and values of the first T characters of `text_BW` of streams_n into their cache slots
+        0..T-1: the model's forward of a prefill, through the step's functions ([n*T] rows; attention
+        causal among the T positions, as the model's). Nothing is returned: the window's last character
+        is the next step's input. Static shapes; no host sync where every row's MLP has none."""
+        n, H, Dh = streams_n.shape[0], self.n_heads, self.head_dim
+        ids_N = self.text_BW.index_select(0, streams_n)[:, :T].reshape(-1)          # N = n*T positions
+        x_ND = self.model.embed(ids_N)
+        cos_N11d = self.cos_Wd[:T].repeat(n, 1)[:, None, None]
+        sin_N11d = self.sin_Wd[:T].repeat(n, 1)[:, None, None]
+        slots_N = (self.first_B2H.index_select(0, streams_n)[:, None] + self.positions_W[:T, None, None]).view(-1)
+        for i in range(len(self.model.rows)):
+            q_NHd, kv_N2Hd = decode_step.qkv_step(x_ND, *self.attn_norms[i], self.w_qkv[i], cos_N11d, sin_N11d, H)
+            self.kv_R2BHWd[i].view(-1, Dh).index_copy_(0, slots_N, kv_N2Hd.reshape(-1, Dh))
+            q_nHTd, k_nHTd, v_nHTd = (t.view(n, T, H, Dh).transpose(1, 2) for t in (q_NHd, kv_N2Hd[:, 0], kv_N2Hd[:, 1]))
+            y_nHTd = F.scaled_dot_product_attention(q_nHTd, k_nHTd, v_nHTd, is_causal=True)
+            x_ND = decode_step.tail_step(x_ND, y_nHTd.transpose(1, 2).reshape(n * T, H, Dh), self.w_proj[i],
+                                         *self.mlp_norms[i], self.window_mlps[i])
+
+
+class _Readback:
+    """The characters written, brought to the host behind the steps: each step's row of `out_CB` is
+    copied to pinned memory right after the step (on CUDA; on the CPU the rows are already there),
+    so reading rows waits for the last of them only, not for the steps queued after it."""
+
+    def __init__(self, out_CB: Tensor):
+        self.out_CB = out_CB
+        self.cuda = out_CB.is_cuda
+        if self.cuda:
+            self.host_CB = torch.empty(out_CB.shape, dtype=out_CB.dtype, pin_memory=True)
+            self.copied = [torch.cuda.Event() for _ in range(out_CB.shape[0])]
+
+    def copy(self, row: int) -> None:
+        """Start bringing `row` (written by the step just queued) to the host."""
+        if self.cuda:
+            with torch.inference_mode():  # both are inference tensors
+                self.host_CB[row].copy_(self.out_CB[row], non_blocking=True)
+            self.copied[row].record()
+
+    def rows(self, start: int, end: int) -> list[list[int]]:
+        """Rows start..end-1 (each copied): waits for the last one's copy."""
+        if end <= start:
+            return []
+        if not self.cuda:
+            return self.out_CB[start:end].tolist()
+        self.copied[end - 1].synchronize()
+        return self.host_CB[start:end].tolist()
 
 
 _COMPILED: tuple | None = None

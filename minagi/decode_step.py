@@ -43,8 +43,9 @@ __all__ = ["MLPWeights", "attend_step", "head_step", "linear_step", "mlp_step", 
 class MLPWeights(NamedTuple):
     """A row's MLP for the step. kind: `gathered` (each routed row's top_k experts gathered, as
     gpt-fast's mixtral-moe), `grouped` (torch's grouped GEMM on the whole stacks: an expert read once
-    however many streams chose it), `dense`, or `stack` (gathered through the expert-weights seam:
-    frozen stacks dequantize just the chosen experts). tensors: router [E, D], its selection bias
+    however many streams chose it), `dense`, `stack` (gathered through the expert-weights seam:
+    frozen stacks dequantize just the chosen experts), or `module` (the row's own MLP module, for a
+    prefill's many positions where no other kind applies: its output alone). tensors: router [E, D], its selection bias
     [E] or None, then the stacks gate_up [E, D, 2F], down [E, F, D] (`dense`: [D, 2H], [H, D]; `stack`:
     the router's two only; `gathered` with `products`: the stacks transposed, [E, 2F, D] and [E, D, F],
     so that each product sums along contiguous memory)."""
@@ -52,7 +53,7 @@ class MLPWeights(NamedTuple):
     tensors: tuple
     top_k: int = 0
     fused: bool = False  # the grouped path's SwiGLU may use the Triton kernels
-    stack: object = None  # `stack`: its `weights(dtype, experts=ids)`
+    stack: object = None  # `stack`: its `weights(dtype, experts=ids)`; `module`: the module
     products: bool = False  # the row's projection, router, top-k and gathered experts as sums (module docstring)
 
 
@@ -108,6 +109,8 @@ def route_step(x_BD: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: in
 def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:
     """[B, D] -> [B, D] in the compute dtype. (The residual add promotes it: the same bits as casting first.)"""
     dtype = compute_dtype(x_BD)
+    if mlp.kind == "module":
+        return mlp.stack(x_BD)[0]
     if mlp.kind == "dense":
         return dense_swiglu(x_BD.to(dtype), *mlp.tensors)
     router_ED, bias_E = mlp.tensors[:2]

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .decode import EXPERT_PATHS, Decoder, inference
+from .decode import EXPERT_PATHS, Decoder, default_keep, inference
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
 from .model import CharLM
@@ -52,11 +52,6 @@ class SamplingError(ValueError):
 def default_prompt(vocab: Vocab) -> str:
     """A newline when the vocabulary has one (text starts after a line break), else its first character."""
     return "\n" if "\n" in vocab.chars else vocab.chars[0]
-
-
-def default_keep(window: int) -> int:
-    """Characters re-prefilled on a slide: 7/8 of the window (at least 1)."""
-    return max(1, window - window // 8)
 
 
 def _stagers(model: CharLM | None) -> list:
@@ -192,32 +187,49 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temp
     expert_path, compiled, products = step
     stagers, chosen = _stagers(model), read == "experts"
     with _reading(stagers, chosen):  # the capture records the step's reads
-        decoder = Decoder(model, [seed + i for i in range(B)], window, temperature=temperature, top_k=top_k,
-                          graphs=graphs, expert_path=expert_path, compiled=compiled, products=products)
+        decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
+                          top_k=top_k, graphs=graphs, expert_path=expert_path, compiled=compiled, products=products)
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
-    filled = [len(w) for w in windows]              # the same count, kept without reading back
+    slides = _Slides([len(w) for w in windows], window, keep)
     with _reading(stagers, chosen):
+        decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
         decoder.prefill(list(range(B)), windows)
-    pending = 0
     for written in range(1, n_chars + 1):
         with _reading(stagers, chosen):
             decoder.advance()
-        pending += 1
-        filled = [n + 1 for n in filled]
-        sliding = [b for b in range(B) if filled[b] > window] if written < n_chars else []
-        rows = []
-        if sliding or pending == sync_every or written == n_chars:
-            rows, pending = decoder.read(), 0
-            for row in rows:
-                for w, char_id in zip(windows, row):
-                    w.append(char_id)
-        if sliding:  # the newest character does not fit: restart on the last `keep`
-            for b in sliding:
-                windows[b], filled[b] = windows[b][-keep:], keep
+        sliding = slides.tick() if written < n_chars else []
+        if sliding:  # the newest character does not fit: restart on the last `keep`, on the device
             with _reading(stagers, chosen):
-                decoder.prefill(sliding, [windows[b] for b in sliding])
-        for row in rows:
-            yield [vocab.chars[c] for c in row]
+                decoder.slide(sliding)
+        if written % sync_every == 0 or written == n_chars:
+            # The step just queued runs on while the host reads the ones before it (all at the end).
+            for row in decoder.read(lag=0 if written == n_chars else 1):
+                yield [vocab.chars[c] for c in row]
+
+
+class _Slides:
+    """When streams slide, counted on the host (no read-back): the characters in each stream's window,
+    the pending input included; a stream whose count passes the window restarts at `keep`."""
+
+    def __init__(self, filled: list[int], window: int, keep: int):
+        self.filled, self.window, self.keep = list(filled), window, keep
+
+    def copy(self) -> "_Slides":
+        return _Slides(self.filled, self.window, self.keep)
+
+    def tick(self) -> list[int]:
+        """One character written to every stream: the streams that must slide now."""
+        self.filled = [n + 1 for n in self.filled]
+        sliding = [b for b, n in enumerate(self.filled) if n > self.window]
+        for b in sliding:
+            self.filled[b] = self.keep
+        return sliding
+
+    def sizes(self, n_chars: int) -> set[int]:
+        """How many streams slide at once over the next n_chars characters. After every stream's first
+        slide the pattern repeats every window - keep + 1 characters, so that far is enough to look."""
+        horizon = min(n_chars, self.window + self.window - self.keep + 1)
+        return {len(s) for s in (self.tick() for _ in range(horizon)) if s}
 
 
 # ------------------------------------------------------------------------------ today's paths

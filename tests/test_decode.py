@@ -171,19 +171,35 @@ def test_each_stream_equals_writing_it_alone_with_seed_plus_its_index(sync_every
     assert streams[0] != streams[3]  # the same prompt, another seed
 
 
-def test_equal_windows_are_prefilled_once_and_the_last_character_is_left_to_the_step(monkeypatch):
+def test_a_prefill_runs_each_length_once_and_a_slide_its_streams_last_characters_with_no_read_back(monkeypatch):
     model = make_model("grouped")
     fed = []
-    real_forward = CharLM.forward
+    real = Decoder._window_forward
 
-    def forward(self, idx_BT, targets_BT=None, cache=None):
-        fed.append(tuple(idx_BT.shape))
-        return real_forward(self, idx_BT, targets_BT, cache)
-    monkeypatch.setattr(CharLM, "forward", forward)
+    def window_forward(self, streams_n, T):
+        fed.append((streams_n.tolist(), self.text_BW[streams_n, :T].tolist()))
+        return real(self, streams_n, T)
+    monkeypatch.setattr(Decoder, "_window_forward", window_forward)
+    ids = lambda text: [int(c) for c in VOCAB.encode(text)]  # noqa: E731
     # 3 streams of one prompt: one prefill of its first 4 characters; window 8, keep 5: every stream
-    # slides after 4 characters (8 + 1 > 8), all at once, each on its own text (batch 3, 4 characters).
-    list(write(model, VOCAB, ["abcde"] * 3, 6, 1.0, window=8, keep=5))
-    assert fed == [(1, 4), (3, 4)]
+    # slides after 4 characters (8 + 1 > 8), all at once, each on its own last 4 characters.
+    streams = ["".join(s) for s in zip(*write(model, VOCAB, ["abcde"] * 3, 6, 1.0, window=8, keep=5))]
+    assert fed[0] == ([0, 1, 2], [ids("abcd")] * 3)
+    assert fed[1] == ([0, 1, 2], [ids(("abcde" + s)[4:8]) for s in streams])
+    assert len(fed) == 2
+
+
+@pytest.mark.parametrize("kind", ["native", "dense"])
+def test_a_slide_reads_nothing_back_where_the_prefills_mlp_has_no_host_sync(kind, monkeypatch):
+    # It works from the characters the steps recorded on the device (the grouped path's own dispatch
+    # reads its group sizes back: there a slide runs eagerly, uncaptured).
+    decoder = _decoder(make_model(kind), streams=2)
+    for _ in range(3):
+        decoder.advance()
+    assert decoder.slide_graphs is False and all(m.kind in ("grouped", "dense") for m in decoder.window_mlps)
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, **k: pytest.fail("the slide read a tensor back"))
+    decoder.slide([1])
 
 
 # ------------------------------------------------------------------------------ the step
@@ -443,3 +459,17 @@ def test_the_steps_routing_is_the_routers_bit_for_bit(top_k, bias):
     want = router(x)
     ids, gates = decode_step.route_step(x, router.weight, router.selection_bias if bias else None, top_k)
     assert torch.equal(ids, want.expert_ids_NK) and torch.equal(gates, want.gates_NK)
+
+
+@pytest.mark.parametrize("filled, window, keep", [([4, 4, 2], 8, 5), ([4, 8], 8, 5), ([1], 16, 14), ([3, 1, 2], 3, 1),
+                                                  ([5, 7, 2, 9], 9, 9)])
+def test_the_slides_looked_ahead_are_those_a_long_run_meets(filled, window, keep):
+    # The slide graphs are captured before writing, for the numbers of streams that will slide together.
+    seen = set()
+    run = sampling._Slides(filled, window, keep)
+    for _ in range(500):
+        sliding = run.tick()
+        if sliding:
+            seen.add(len(sliding))
+    assert sampling._Slides(filled, window, keep).sizes(500) == seen
+    assert sampling._Slides(filled, window, keep).sizes(0) == set()

@@ -148,15 +148,15 @@ def sync(device: torch.device) -> None:
 
 def timed(make_chars, device: torch.device, every: int = 1) -> dict:
     """Steady char/s of an iterator of per-step character lists, from its first yield to its last.
-    `every`: steps written between two reads (write's sync_every): the first yield comes after that
-    many steps, and the every - 1 already written with it are yielded at once, so they are not
-    counted in the steady steps."""
+    `every`: steps written between two reads (write's sync_every). A read returns the steps before
+    the one queued last, so the first yield comes when max(every, 2) steps were queued; the steps
+    yielded with it are not counted in the steady steps, nor the one still running then."""
     t0 = time.perf_counter()
     chars = make_chars()
     next(chars)
     sync(device)
     first = time.perf_counter()
-    rest = sum(1 for _ in chars) - (every - 1)
+    rest = sum(1 for _ in chars) - (max(every, 2) - 1)
     sync(device)
     end = time.perf_counter()
     return {"first_ms": (first - t0) * 1e3, "steady_s": end - first, "steps": rest,
