@@ -2,6 +2,7 @@
 
     python tools/bench_train.py --profiles h200 cuda_small --compile off on --steps 60
     python tools/bench_train.py --profiles h200 --compile on --trace            # + where the step's time goes
+    python tools/bench_train.py --profiles h200 --compile on --data "" --warmup 300   # routing after training
     python tools/bench_train.py --device cpu --profiles cpu_tiny --steps 3 --warmup 1   # a smoke run
 
 MFU = model FLOPs per character x characters per second / the bf16 matmul rate (an 8192^3 product
@@ -9,9 +10,11 @@ timed in the same run). Model FLOPs per character (nanoGPT's convention): 6 x th
 character uses (attention, router, its top_k experts or the dense MLP, the head; not the embedding
 lookup) + 12 x rows x width x context for attention. Recomputation under row checkpointing is not
 counted: it is work the model does not need. Per profile and compile setting: char/s and MFU over
-`--steps` steps after `--warmup` (random characters), host syncs per step (counted by
-torch.cuda.set_sync_debug_mode over one step), recompiles over the measured steps, peak allocated;
-with --trace, the GPU time of one step by kind of kernel.
+`--steps` steps after `--warmup` (random characters, or with --data batches of a corpus, so that the
+measured steps see the routing that training leaves), host syncs per step (counted by
+torch.cuda.set_sync_debug_mode over one step), recompiles over the measured steps, peak allocated,
+the busiest expert's load over its fair share (the worst row, last step); with --trace, the GPU time of
+one step by kind of kernel and how much of it the GPU sat idle.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
+from minagi.data import get_batch, load_corpus  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -43,15 +47,23 @@ KINDS = (  # kernel name fragments -> what the time is spent on (first match win
 )
 
 
-def flops_per_char(cfg) -> float:
+def flops_per_char(cfg, vocab: int = VOCAB) -> float:
     m, p = cfg.model, cfg.pool
     per_row = 4 * m.d_model ** 2
     if m.mlp == "dense":
         per_row += 3 * m.d_model * cfg.dense_width
     else:
         per_row += m.d_model * p.n_experts + p.top_k * 3 * m.d_model * p.d_expert
-    params = m.n_rows * per_row + m.d_model * VOCAB
+    params = m.n_rows * per_row + m.d_model * vocab
     return 6 * params + 12 * m.n_rows * m.d_model * m.context
+
+
+def busiest_expert(stats) -> float | None:
+    """The last step's busiest expert over its fair share, in the worst row (None for a dense model)."""
+    if stats.counts is None:
+        return None
+    load_LE = stats.counts.load_LE.float()
+    return float((load_LE.max(1).values / load_LE.mean(1)).max())
 
 
 def matmul_tflops(device: torch.device) -> float | None:
@@ -97,7 +109,7 @@ def sync_sites(fn) -> list[str]:
 
 
 def kernel_time_by_kind(fn, device: torch.device) -> tuple[list[tuple[str, float]], list[tuple[str, float, int]]]:
-    """GPU ms of one call by kind of kernel, and the 25 costliest kernels (name, ms, launches)."""
+    """GPU ms of one call by kind of kernel, and the 40 costliest kernels (name, ms, launches)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -112,24 +124,59 @@ def kernel_time_by_kind(fn, device: torch.device) -> tuple[list[tuple[str, float
         kind = next((k for k, frags in KINDS if any(f in name for f in frags)), "other elementwise")
         totals[kind] = totals.get(kind, 0.0) + us / 1e3
         kernels.append((e.key[:90], us / 1e3, e.count))
-    return sorted(totals.items(), key=lambda kv: -kv[1]), sorted(kernels, key=lambda k: -k[1])[:25]
+    return sorted(totals.items(), key=lambda kv: -kv[1]), sorted(kernels, key=lambda k: -k[1])[:40]
+
+
+def gpu_timeline(fn, device: torch.device, calls: int = 2, gaps: int = 8) -> dict:
+    """Over `calls` calls back to back: the span from the first kernel's start to the last one's end,
+    the time some kernel ran (the union of their intervals), and the longest idle gaps between
+    kernels with the kernels on either side: where the GPU waits for the host."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    if not kernels:
+        return {}
+    busy, idle, end, last = 0.0, [], kernels[0][0], kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            idle.append((start - end, last[:60], name[:60]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    span = end - kernels[0][0]
+    return {"span_ms": span / 1e3 / calls, "busy_ms": busy / 1e3 / calls, "idle_ms": (span - busy) / 1e3 / calls,
+            "gaps": [(round(us / 1e3, 3), before, after) for us, before, after in sorted(idle, reverse=True)[:gaps]]}
 
 
 def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None) -> dict:
     cfg = load_config(profile, [f"train.compile={'true' if compile_on else 'false'}", f"train.device={device.type}",
                                 f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=1", *args.sets])
-    training = build_training(cfg, VOCAB, device, 1)
+    corpus = None if args.data is None else load_corpus(args.data, cfg.data.heldout_fraction, cfg.data.cache_dir)
+    vocab = VOCAB if corpus is None else corpus.vocab.size
+    training = build_training(cfg, vocab, device, 1)
     g = torch.Generator(device=device).manual_seed(0)
     shape = (cfg.train.batch_size, cfg.model.context)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
-    step = [0]
+    step, last = [0], {}
+
+    def batch():
+        if corpus is None:
+            return (torch.randint(0, VOCAB, shape, device=device, generator=g) for _ in range(2))
+        x, y = get_batch(corpus.train_ids, *shape, cfg.train.seed, step[0])
+        if device.type == "cuda":  # as the trainer: pinned, so the copy does not wait for the queued step
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def one():
-        x = torch.randint(0, VOCAB, shape, device=device, generator=g)
-        y = torch.randint(0, VOCAB, shape, device=device, generator=g)
+        x, y = batch()
         with autocast:
-            train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1, device=device)
+            last["stats"] = train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1,
+                                       device=device)
         training.updating = False
         step[0] += 1
 
@@ -145,16 +192,18 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    out = {"profile": profile, "compile": compile_on, "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
-           "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg) / 1e9,
+    out = {"profile": profile, "compile": compile_on, "data": args.data,
+           "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
+           "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
-           "syncs_per_step": syncs_in(one)}
+           "syncs_per_step": syncs_in(one), "vocab": vocab, "busiest_expert": busiest_expert(last["stats"])}
     if rate:
-        out["mfu"] = flops_per_char(cfg) * out["chars_per_s"] / (rate * 1e12)
+        out["mfu"] = flops_per_char(cfg, vocab) * out["chars_per_s"] / (rate * 1e12)
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.trace:
             out["gpu_ms_by_kind"], out["top_kernels"] = kernel_time_by_kind(one, device)
+            out["timeline"] = gpu_timeline(one, device)
         if args.sync_trace:
             out["sync_sites"] = sync_sites(one)
     del training
@@ -172,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--data", default=None, metavar="PATH",
+                    help='train on this corpus ("" = the built-in default) instead of random characters: after '
+                         '--warmup steps of training, the routing the balance term leaves, not the initial one')
     ap.add_argument("--trace", action="store_true", help="also the GPU time of one step by kind of kernel")
     ap.add_argument("--sync-trace", action="store_true", help="also where each host sync of a step comes from")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -194,8 +246,8 @@ def main(argv=None) -> int:
             print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print("| profile | compile | char/s | step ms | GFLOP/char | MFU | syncs/step | recompiles | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| profile | compile | char/s | step ms | GFLOP/char | MFU | syncs/step | recompiles | peak GiB | busiest expert |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['profile']} | {r['compile']} | {r['error']} |")
@@ -203,7 +255,8 @@ def main(argv=None) -> int:
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
         print(f"| {r['profile']} | {'on' if r['compile'] else 'off'} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
-              f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} |")
+              f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
+              f"{'-' if r['busiest_expert'] is None else format(r['busiest_expert'], '.2f') + 'x'} |")
     for r in results:
         if r.get("gpu_ms_by_kind"):
             print(f"\n{r['profile']} compile={r['compile']}: GPU ms of one step by kind")
@@ -211,6 +264,12 @@ def main(argv=None) -> int:
                 print(f"  {kind:<32} {ms:8.2f}")
             for name, ms, count in r["top_kernels"]:
                 print(f"    {ms:8.2f} ms {count:5d}x  {name}")
+            t = r.get("timeline")
+            if t:
+                print(f"  a step's GPU span {t['span_ms']:.1f} ms: kernels busy {t['busy_ms']:.1f}, idle {t['idle_ms']:.1f}; "
+                      "longest gaps (ms, after, before):")
+                for gap in t["gaps"]:
+                    print(f"    {gap}")
         if r.get("sync_sites"):
             print(f"{r['profile']} compile={r['compile']}: host syncs at {r['sync_sites']}")
     return 0
