@@ -174,12 +174,14 @@ class Decoder:
         self._row = self.chunk     # rows of out_CB written in this chunk (full: the first advance starts one)
         self._read = self.chunk    # rows of out_CB already read back
         self._backlog: list[list[int]] = []
-        self.graph = self._capture(self._step) if graphs else None
-        if self.graph is not None:  # captured after the step: the step's warm-up leaves nothing behind
-            with torch.inference_mode():
+        self.graph = None
+        if graphs:  # a window may be shorter than the warm-up: each warm-up step writes at position 0
+            self.graph, self.logits_BV = self._capture(self._step, before=self.pos_B.zero_)
+            with torch.inference_mode():  # prefill and steps overwrite or mask what the warm-up wrote
                 for t in (self.pos_B, self.tok_B, self.slot_1):
                     t.zero_()
-        # Slides of n streams, captured at the first (where every row's prefill is free of host syncs).
+        # A slide's graph per number of streams (where every row's prefill is free of host syncs):
+        # captured by `prepare_slides`, which `write` calls before writing, or at the first such slide.
         self._slides: dict[int, tuple[Tensor, "torch.cuda.CUDAGraph"]] = {}
         self.slide_graphs = graphs and all(m.kind in ("grouped", "dense") for m in self.window_mlps)
 
@@ -278,25 +280,22 @@ class Decoder:
         with torch.inference_mode(), cast:
             yield
 
-    def _capture(self, run) -> "torch.cuda.CUDAGraph":
-        """Warm up `run` on a side stream (as torch.cuda.graphs asks), then capture one call of it.
-        The step's warm-up writes at positions 0..2 (pos_B is zeroed before each: a window may be
-        shorter than the warm-up); prefill and steps overwrite or mask them."""
+    def _capture(self, run, before=None) -> tuple["torch.cuda.CUDAGraph", object]:
+        """Warm up `run` on a side stream (as torch.cuda.graphs asks; `before` ahead of each warm-up
+        call), then capture one call of it: (the graph, what the captured call returned)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), self._step_context():
                 for _ in range(_WARMUP_STEPS):
-                    if run == self._step:
-                        self.pos_B.zero_()
+                    if before is not None:
+                        before()
                     run()
             torch.cuda.current_stream().wait_stream(side)
             with self._step_context(), torch.cuda.graph(graph):
                 out = run()
-        if run == self._step:
-            self.logits_BV = out
-        return graph
+        return graph, out
 
     # ------------------------------------------------------------------ host side
 
@@ -385,7 +384,8 @@ class Decoder:
         for n in sizes:
             if self.slide_graphs and self.keep > 1 and n not in self._slides:
                 static = torch.arange(n, device=self.device)
-                self._slides[n] = static, self._capture(lambda: self._window_forward(static, self.keep - 1))
+                graph, _ = self._capture(lambda: self._window_forward(static, self.keep - 1))
+                self._slides[n] = static, graph
 
     def _window_forward(self, streams_n: Tensor, T: int) -> None:
         """Keys and values of the first T characters of `text_BW` of streams_n into their cache slots
