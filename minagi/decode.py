@@ -113,8 +113,9 @@ class Decoder:
     expert_path: `gathered` (each routed row's experts gathered, as gpt-fast), `grouped` (the grouped
     GEMM on the whole resident stacks), or `auto`: grouped where the pool itself runs torch's
     grouped GEMM ("native") on a trainable stack and streams x top_k >= 2 x n_experts, else
-    gathered (docs/benchmarks.md §11). Gathered, a stream's bits never depend on the others; grouped,
-    they may by bf16 rounding (the GEMM's tiling follows how many rows each expert has).
+    gathered (docs/benchmarks.md §11). Gathered, a step's bits for a stream never depend on the
+    others; grouped, they may by bf16 rounding (the GEMM's tiling follows how many rows each expert
+    has), and so may a prefill's or a slide's, which run the streams sliding together as one batch.
     compiled: run the step's pieces (minagi/decode_step.py) through torch.compile: fewer, fused
     kernels for a first-use compile (CUDA only, resident experts only).
     products: the step's matrix-vector products as products and sums (decode_step.py); None = where
@@ -140,7 +141,7 @@ class Decoder:
             _compiled_pieces() if compiled else
             (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
         cfg = model.cfg
-        if not 1 <= (keep or 1) <= window:
+        if keep is not None and not 1 <= keep <= window:
             raise ValueError(f"keep must be 1..{window} (the window); got {keep}")
         self.model, self.device, self.window = model, device, window
         self.keep = default_keep(window) if keep is None else keep
@@ -183,6 +184,7 @@ class Decoder:
         # A slide's graph per number of streams (where every row's prefill is free of host syncs):
         # captured by `prepare_slides`, which `write` calls before writing, or at the first such slide.
         self._slides: dict[int, tuple[Tensor, "torch.cuda.CUDAGraph"]] = {}
+        self._slide_pool = torch.cuda.graph_pool_handle() if graphs else None  # the slides' graphs share it
         self.slide_graphs = graphs and all(m.kind in ("grouped", "dense") for m in self.window_mlps)
 
     def _cast_weights(self) -> None:
@@ -225,7 +227,7 @@ class Decoder:
         on torch's grouped GEMM where the pool runs it ("native": no host sync, so a slide can be
         captured); otherwise the pool's own forward (its dispatch path, frozen stacks included)."""
         if step.kind == "dense":
-            return step
+            return step._replace(products=False)  # GEMMs for many positions: products would materialise them
         if step.kind in ("gathered", "grouped") and mlp.path == "native":
             gate_up, down = step.tensors[2:]
             if step.products and step.kind == "gathered":  # transposed for the step: back to [E, D, 2F], [E, F, D]
@@ -280,9 +282,10 @@ class Decoder:
         with torch.inference_mode(), cast:
             yield
 
-    def _capture(self, run, before=None) -> tuple["torch.cuda.CUDAGraph", object]:
+    def _capture(self, run, before=None, pool=None) -> tuple["torch.cuda.CUDAGraph", object]:
         """Warm up `run` on a side stream (as torch.cuda.graphs asks; `before` ahead of each warm-up
-        call), then capture one call of it: (the graph, what the captured call returned)."""
+        call), then capture one call of it: (the graph, what the captured call returned). `pool`: a
+        memory pool shared with other graphs that never run at once and keep no output."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
@@ -293,7 +296,7 @@ class Decoder:
                         before()
                     run()
             torch.cuda.current_stream().wait_stream(side)
-            with self._step_context(), torch.cuda.graph(graph):
+            with self._step_context(), torch.cuda.graph(graph, pool=pool):
                 out = run()
         return graph, out
 
@@ -373,19 +376,25 @@ class Decoder:
             with inference(self.model, self.device), self._step_context():
                 self._window_forward(index, self.keep - 1)
             return
-        self.prepare_slides([index.shape[0]])
+        if index.shape[0] not in self._slides:  # captured on the sliding streams themselves
+            self._capture_slide(index.clone())
         static, graph = self._slides[index.shape[0]]
         static.copy_(index)
         graph.replay()
 
     def prepare_slides(self, sizes) -> None:
-        """Capture the slide graphs of these numbers of streams now (before a prefill, or at the first
-        slide of that many): a capture costs tens of ms, which a slide's replay does not."""
+        """Capture the slide graphs of these numbers of streams now, before a prefill (the warm-up
+        writes the first streams' slots, which the prefill then writes): a capture costs tens of ms
+        and a device sync, a slide's replay neither."""
         for n in sizes:
             if self.slide_graphs and self.keep > 1 and n not in self._slides:
-                static = torch.arange(n, device=self.device)
-                graph, _ = self._capture(lambda: self._window_forward(static, self.keep - 1))
-                self._slides[n] = static, graph
+                self._capture_slide(torch.arange(n, device=self.device))
+
+    def _capture_slide(self, static: Tensor) -> None:
+        """A slide's prefill for len(static) streams as a graph reading their ids from `static`; its
+        warm-up and capture recompute the slots of the streams in `static` from their own characters."""
+        graph, _ = self._capture(lambda: self._window_forward(static, self.keep - 1), pool=self._slide_pool)
+        self._slides[static.shape[0]] = static, graph
 
     def _window_forward(self, streams_n: Tensor, T: int) -> None:
         """Keys and values of the first T characters of `text_BW` of streams_n into their cache slots

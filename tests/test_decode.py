@@ -473,3 +473,13 @@ def test_the_slides_looked_ahead_are_those_a_long_run_meets(filled, window, keep
             seen.add(len(sliding))
     assert sampling._Slides(filled, window, keep).sizes(500) == seen
     assert sampling._Slides(filled, window, keep).sizes(0) == set()
+
+
+def test_a_decoder_refuses_a_keep_outside_the_window_and_prefills_the_dense_twin_by_gemms():
+    model = make_model("dense")
+    for keep in (0, CONTEXT + 1):
+        with pytest.raises(ValueError, match=f"keep must be 1..{CONTEXT}"):
+            Decoder(model, [0], CONTEXT, keep=keep)
+    # products sum one position at a time: a window of positions runs the SwiGLU's GEMMs
+    decoder = Decoder(model, [0], CONTEXT, products=True)
+    assert decoder.mlps[0].products and not decoder.window_mlps[0].products
