@@ -32,7 +32,7 @@ from .gutenberg import STRIP_VERSION, MarkersMissing, strip_gutenberg as _strip_
 
 __all__ = [
     "DataError", "DataWarning", "VocabError", "Vocab", "Corpus", "file_content_key", "load_corpus", "get_batch",
-    "heldout_batches", "default_cache_dir", "STDLIB_CAP_BYTES",
+    "batch_on", "heldout_batches", "default_cache_dir", "STDLIB_CAP_BYTES",
 ]
 
 # The default corpus ("" path) is a subset of the stdlib's .py files, capped so the default stays
@@ -543,6 +543,16 @@ def get_batch(ids: np.ndarray, batch_size: int, context: int, seed: int, step: i
     count sees the same global batch and rank r takes rows [r*b, (r+1)*b). `split` names the ids in errors.
     """
     return _windows(ids, batch_size, context, [seed, step, _TRAIN_STREAM], rank, world_size, split)
+
+
+def batch_on(device: torch.device, ids: np.ndarray, batch_size: int, context: int, seed: int, step: int,
+             rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`get_batch`'s x, y on `device`, their copies queued: pinned first on CUDA, so the copy waits for
+    nothing queued before it (a copy from pageable memory would)."""
+    x, y = get_batch(ids, batch_size, context, seed, step, rank, world_size)
+    if device.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def heldout_batches(ids: np.ndarray, batch_size: int, context: int, n_batches: int, seed: int,

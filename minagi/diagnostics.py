@@ -3,7 +3,8 @@
 Shape legend: L pooled rows, E experts.
 
 The pools return their counts (minagi/pool.py `RouteCounts`); the trainer hands one training step's
-counts to `RoutingMeter.add` once — summed over ranks already under DDP — so a row recomputed in
+counts to `RoutingMeter.add` once — summed over ranks already under DDP, with the step's loss in one
+all-reduce (`reduce_over_ranks`) — so a row recomputed in
 backward, an evaluation or a sampling call never counts. The meter is part of the checkpointed
 training state: a record after a resume covers the same steps as its train loss.
 """
@@ -14,9 +15,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .distributed import all_reduce_sum
 from .pool import RouteCounts
 
-__all__ = ["RoutingMeter", "StepCounts", "step_counts", "summarise"]
+__all__ = ["RoutingMeter", "StepCounts", "reduce_over_ranks", "step_counts", "summarise"]
 
 
 class StepCounts:
@@ -39,6 +41,30 @@ def step_counts(per_row: Sequence[RouteCounts | None]) -> StepCounts | None:
                  if any(d is not None for d in dropped) else load_LE.new_zeros(len(rows)))
     return StepCounts(load_LE, dropped_L, [c.chars for c in rows], [c.padded_rows for c in rows],
                       [c.path for c in rows])
+
+
+def reduce_over_ranks(stats: Tensor, counts: StepCounts | None, world_size: int) -> tuple[list[float], StepCounts | None]:
+    """(mean loss, aux, grad norm over ranks, the routing counts summed over ranks): one all-reduce.
+
+    (The gradient norm is already the same everywhere: DDP averaged the gradients.)
+    """
+    if world_size == 1:
+        return stats.tolist(), counts
+    parts = [stats.double()]
+    if counts is not None:
+        host = torch.tensor(counts.chars + counts.padded, dtype=torch.float64)
+        host = host.pin_memory().to(stats.device, non_blocking=True) if stats.is_cuda else host
+        parts += [counts.load_LE.flatten().double(), counts.dropped_L.double(), host]
+    summed = all_reduce_sum(torch.cat(parts))
+    values = summed.tolist()
+    means = [v / world_size for v in values[:3]]
+    if counts is None:
+        return means, None
+    n_rows, n_experts = counts.load_LE.shape
+    load_LE, dropped_L = summed[3:3 + n_rows * n_experts], summed[3 + n_rows * n_experts:3 + n_rows * (n_experts + 1)]
+    host_values = [int(v) for v in values[3 + n_rows * (n_experts + 1):]]
+    return means, StepCounts(load_LE.view(n_rows, n_experts).long(), dropped_L.long(), host_values[:n_rows],
+                             host_values[n_rows:], counts.paths)
 
 
 class RoutingMeter:

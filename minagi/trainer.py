@@ -12,7 +12,8 @@ The pieces, each on its own:
 
 Each step trains on `get_batch(train_ids, batch_size, context, seed, step)`: the batch is a pure
 function of the step number, so a resumed run continues at exactly the data position it left, and
-on the CPU reproduces the uninterrupted run's losses. Every `eval_every` steps and at the end: the
+on the CPU reproduces the uninterrupted run's losses (and the next step's batch can be made while a
+step's kernels run, before its loss is read). Every `eval_every` steps and at the end: the
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved.
 
 Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): with `world_size` > 1 the process
@@ -40,8 +41,8 @@ from tqdm import tqdm
 from . import devices, distributed
 from .checkpoint import capture_rng_state, load_checkpoint, restore_rng_state
 from .config import Config, ConfigError, config_to_dict
-from .data import Vocab, get_batch, heldout_batches, load_corpus
-from .diagnostics import RoutingMeter, StepCounts, step_counts
+from .data import Vocab, batch_on, heldout_batches, load_corpus
+from .diagnostics import RoutingMeter, StepCounts, reduce_over_ranks, step_counts
 from .model import CharLM, build_model
 from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
 from .loading import init_from_checkpoint
@@ -257,12 +258,13 @@ class StepStats:
 
 
 def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip: float, world_size: int,
-               device: torch.device) -> StepStats:
+               device: torch.device, meanwhile: Callable[[], None] | None = None) -> StepStats:
     """Forward, backward, the NaN check, the update and the aux-free bias step of 0-based `step`.
 
     Raises NonFiniteLossError before updating anything. The one host sync: the loss (the progress
     bar needs it, and a NaN must stop the update), in the same all-reduce as the routing counts
-    under DDP.
+    under DDP. `meanwhile`: host work (the next batch) done once the step's kernels are queued,
+    before that sync, so the GPU is not left waiting for it after the step (docs/benchmarks.md §10).
     """
     clear_stale_slots()  # replay pins a stopped backward left behind
     if training.dropout_seed is not None:
@@ -277,7 +279,9 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in training.params if p.grad is not None])
     stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(), norm.detach().float()])
-    (ce, aux, gnorm), counts = _reduce_over_ranks(stats, step_counts(out.routing), world_size)
+    if meanwhile is not None:
+        meanwhile()
+    (ce, aux, gnorm), counts = reduce_over_ranks(stats, step_counts(out.routing), world_size)
     if not (math.isfinite(ce) and math.isfinite(aux) and math.isfinite(gnorm)):
         what = "loss" if not math.isfinite(ce + aux) else "gradient norm"
         raise NonFiniteLossError(f"step {step + 1}: {what} is not finite (loss {ce}, aux {aux}, grad norm "
@@ -290,30 +294,6 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
         training.model.step_router_bias(counts.load_LE)
     training.optimizer.zero_grad(set_to_none=True)
     return StepStats(ce, aux, gnorm, lr, counts)
-
-
-def _reduce_over_ranks(stats: Tensor, counts: StepCounts | None, world_size: int) -> tuple[list[float], StepCounts | None]:
-    """(mean loss, aux, grad norm over ranks, the routing counts summed over ranks): one all-reduce.
-
-    (The gradient norm is already the same everywhere: DDP averaged the gradients.)
-    """
-    if world_size == 1:
-        return stats.tolist(), counts
-    parts = [stats.double()]
-    if counts is not None:
-        host = torch.tensor(counts.chars + counts.padded, dtype=torch.float64)
-        host = host.pin_memory().to(stats.device, non_blocking=True) if stats.is_cuda else host
-        parts += [counts.load_LE.flatten().double(), counts.dropped_L.double(), host]
-    summed = distributed.all_reduce_sum(torch.cat(parts))
-    values = summed.tolist()
-    means = [v / world_size for v in values[:3]]
-    if counts is None:
-        return means, None
-    n_rows, n_experts = counts.load_LE.shape
-    load_LE, dropped_L = summed[3:3 + n_rows * n_experts], summed[3 + n_rows * n_experts:3 + n_rows * (n_experts + 1)]
-    host_values = [int(v) for v in values[3 + n_rows * (n_experts + 1):]]
-    return means, StepCounts(load_LE.view(n_rows, n_experts).long(), dropped_L.long(), host_values[:n_rows],
-                             host_values[n_rows:], counts.paths)
 
 
 @torch.no_grad()
@@ -467,6 +447,7 @@ class Trainer:
         plain = self.progress and self.is_main and bar.disable
         self.line_every = max(1, min(tc.eval_every, tc.steps) // 10) if plain else 0
         self.interval_chars, self.interval_s, self.interval_steps = 0, 0.0, 0
+        self.ahead: tuple[int, tuple[Tensor, Tensor]] | None = None  # (step, batch) made during the step before
         self.owed = None       # (payload, record, improved) of an evaluation whose files are not all written
         self.lr = self._last_lr() if state.eval_due else None
         self.training.model.train()
@@ -497,17 +478,26 @@ class Trainer:
     def _last_lr(self) -> float:
         return self.training.scheduler.base_lrs[0] * self.training.schedule(self.state.step - 1)
 
+    def _batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """Step `step`'s batch on the device: made during the step before (`_make_ahead`), or now."""
+        made, self.ahead = self.ahead, None
+        return made[1] if made is not None and made[0] == step else self._make(step)
+
+    def _make_ahead(self, step: int) -> None:
+        self.ahead = (step, self._make(step))  # batches are a pure function of seed, step and rank
+
+    def _make(self, step: int) -> tuple[Tensor, Tensor]:
+        tc = self.cfg.train
+        return batch_on(self.device, self.corpus.train_ids, tc.batch_size, self.cfg.model.context, tc.seed, step,
+                        self.rank, self.world_size)
+
     def _step(self, bar) -> None:
         tc, mc, state = self.cfg.train, self.cfg.model, self.state
         t0 = time.perf_counter()
-        x, y = get_batch(self.corpus.train_ids, tc.batch_size, mc.context, tc.seed, state.step, self.rank,
-                         self.world_size)
-        if self.device.type == "cuda":  # pinned: the copy is asynchronous (pageable memory would sync)
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # [b, T]
+        x, y = self._batch(state.step)  # [b, T]
         try:
-            stats = train_step(self.training, x, y, step=state.step, grad_clip=tc.grad_clip,
-                               world_size=self.world_size, device=self.device)
+            stats = train_step(self.training, x, y, step=state.step, grad_clip=tc.grad_clip, world_size=self.world_size,
+                               device=self.device, meanwhile=lambda: self._make_ahead(state.step + 1))
         except NonFiniteLossError as err:
             raise NonFiniteLossError(f"{err}; {self.folder.kept()}", err.step) from None
         dt = time.perf_counter() - t0

@@ -90,6 +90,25 @@ def test_history_lines_carry_every_history_field(golden):
     assert records[1]["train_loss"] == pytest.approx(sum(golden.losses[3:]) / 3)
 
 
+def test_each_steps_batch_is_made_once_while_the_step_before_runs_before_its_loss_is_read(tmp_path, monkeypatch):
+    # The GPU would otherwise wait for the host to make a batch after each step (docs/benchmarks.md §10).
+    events, make, read = [], trainer.batch_on, trainer.reduce_over_ranks
+
+    def making(device, ids, batch_size, context, seed, step, *args):
+        events.append(("batch", step))
+        return make(device, ids, batch_size, context, seed, step, *args)
+
+    def reading(*args):
+        events.append(("read",))
+        return read(*args)
+    monkeypatch.setattr(trainer, "batch_on", making)
+    monkeypatch.setattr(trainer, "reduce_over_ranks", reading)
+    result = run_tiny(tmp_path, None)
+    assert events[:5] == [("batch", 0), ("batch", 1), ("read",), ("batch", 2), ("read",)]
+    assert [e for e in events if e[0] == "batch"] == [("batch", s) for s in range(7)]  # the last, ahead, unused
+    assert result.losses == pytest.approx(GOLDEN_LOSSES, abs=1e-4)
+
+
 def test_lr_warms_up_linearly_then_follows_cosine_to_its_floor():
     factors = [lr_factor(s, total=10, warmup=2, min_ratio=0.1) for s in range(12)]
     assert factors[:3] == pytest.approx([0.5, 1.0, 1.0])

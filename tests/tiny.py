@@ -58,12 +58,12 @@ def new_pool(d_model: int, d_expert: int, n_experts: int, top_k: int, path: str 
 
 
 def interrupt_at(monkeypatch, at_step: int) -> None:
-    """Ctrl-C as the training loop fetches the batch of 0-based step `at_step` (after `at_step` steps)."""
-    from minagi import trainer
-    from minagi.data import get_batch
+    """Ctrl-C as the training loop takes the batch of 0-based step `at_step` (after `at_step` steps)."""
+    from minagi.trainer import Trainer
+    take = Trainer._batch
 
-    def interrupting(ids, batch_size, context, seed, step, *args, **kwargs):
+    def interrupting(self, step):
         if step == at_step:
             raise KeyboardInterrupt
-        return get_batch(ids, batch_size, context, seed, step, *args, **kwargs)
-    monkeypatch.setattr(trainer, "get_batch", interrupting)
+        return take(self, step)
+    monkeypatch.setattr(Trainer, "_batch", interrupting)

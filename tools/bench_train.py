@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
-from minagi.data import get_batch, load_corpus  # noqa: E402
+from minagi.data import batch_on, load_corpus  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -162,21 +162,20 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
     shape = (cfg.train.batch_size, cfg.model.context)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
-    step, last = [0], {}
+    step, last, ahead = [0], {}, {}
 
-    def batch():
+    def batch(s: int):
         if corpus is None:
-            return (torch.randint(0, VOCAB, shape, device=device, generator=g) for _ in range(2))
-        x, y = get_batch(corpus.train_ids, *shape, cfg.train.seed, step[0])
-        if device.type == "cuda":  # as the trainer: pinned, so the copy does not wait for the queued step
-            x, y = x.pin_memory(), y.pin_memory()
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            return [torch.randint(0, VOCAB, shape, device=device, generator=g) for _ in range(2)]
+        return batch_on(device, corpus.train_ids, *shape, cfg.train.seed, s)  # as the trainer makes them
 
     def one():
-        x, y = batch()
+        x, y = ahead.pop(step[0], None) or batch(step[0])
+        # As the trainer: a corpus's next batch is made while this step's kernels run.
+        meanwhile = None if corpus is None else (lambda s=step[0] + 1: ahead.update({s: batch(s)}))
         with autocast:
             last["stats"] = train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1,
-                                       device=device)
+                                       device=device, meanwhile=meanwhile)
         training.updating = False
         step[0] += 1
 

@@ -1,0 +1,27 @@
+"""tools/bench_train.py runs end to end on the CPU and reports what it measured, on random characters or
+after training on a corpus."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import bench_train  # noqa: E402
+
+TINY = ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "model.context=16", "pool.n_experts=4",
+        "pool.top_k=2", "pool.d_expert=32", "train.batch_size=4"]
+
+
+def test_bench_reports_throughput_flops_and_the_busiest_expert_on_random_and_corpus_batches(tmp_path, capsys):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 40)
+    for data, vocab in ((None, bench_train.VOCAB), (str(corpus), len(set(corpus.read_text())))):
+        out = tmp_path / "bench.json"
+        args = ["--device", "cpu", "--profiles", "cpu_tiny", "--steps", "2", "--warmup", "2", "--json", str(out)]
+        args += [a for item in TINY for a in ("--set", item)] + (["--data", data] if data else [])
+        assert bench_train.main(args) == 0
+        (r,) = json.loads(out.read_text())["results"]
+        assert r["data"] == data and r["vocab"] == vocab and r["chars_per_s"] > 0
+        # 6 x (attention 4 D^2 + router D E + top_k experts 3 D F + head D V) + 12 x rows x D x context
+        assert r["gflop_per_char"] * 1e9 == 6 * (4 * 32 ** 2 + 32 * 4 + 2 * 3 * 32 * 32 + 32 * vocab) + 12 * 32 * 16
+        assert r["busiest_expert"] >= 1.0  # the last step's busiest expert over its fair share
+    assert "| cpu_tiny | off |" in capsys.readouterr().out
