@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "per character after a compile of some seconds; for long writing (docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
-                        "at most 8 streams (default; faster on the h200 profile, slower on cuda_small: "
+                        "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
                         "docs/sampling.md)")
     p.add_argument("--chars", type=_non_negative_int, default=500, help="characters to write (default 500)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
