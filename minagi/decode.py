@@ -49,7 +49,7 @@ from torch import Tensor
 from . import decode_step
 from .decode_step import MLPWeights
 from .dense import DenseMLP
-from .dispatch import _host_to_device
+from .dispatch import host_to_device
 from .devices import autocast
 from .experts import ExpertStack
 from .gumbel import gumbel_noise, pick, stream_keys
@@ -361,7 +361,7 @@ class Decoder:
         window is full and its newest character written (the step after would have no slot)."""
         T = self.keep - 1
         with torch.inference_mode():
-            index = _host_to_device(streams, self.device)
+            index = host_to_device(streams, self.device)
             if T > 0:  # the last T characters of the cache to its first T slots
                 rows_BW = self.text_BW.index_select(0, index)
                 self.text_BW.index_copy_(0, index, rows_BW.roll(T - self.window, 1))

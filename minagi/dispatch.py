@@ -211,7 +211,7 @@ class _GatherGroups(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def _host_to_device(values: list[int], device: torch.device) -> Tensor:
+def host_to_device(values: list[int], device: torch.device) -> Tensor:
     """A small index list onto the device without a host sync (pinned memory, asynchronous copy)."""
     t = torch.tensor(values, dtype=torch.long)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
@@ -291,7 +291,7 @@ def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan
     counts, kept, starts = plan.counts_E.tolist(), plan.kept_counts_E.tolist(), plan.starts_E.tolist()
     experts = [e for e, n in enumerate(kept) if n > 0]
     rows = [slice(starts[e], starts[e] + kept[e]) for e in experts]
-    ids_G = _host_to_device(experts, x_ND.device)
+    ids_G = host_to_device(experts, x_ND.device)
     ones, covers_all = [1] * len(experts), len(experts) == len(counts)
     h = group_bmm([x_RD[r].unsqueeze(0) for r in rows], gate_up, ids_G, ones, covers_all)  # each [1, n, 2F]
     act = [swiglu_eager(h_e, gate_R[r].unsqueeze(0)) for h_e, r in zip(h, rows)]
@@ -347,7 +347,7 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     group_of = [-1] * n_experts       # each expert's place in the grouped order (-1: in no group)
     for i, e in enumerate(experts):
         group_of[e] = i
-    perm_G, caps_G, group_of_E = _host_to_device(experts + caps + group_of, device).split(
+    perm_G, caps_G, group_of_E = host_to_device(experts + caps + group_of, device).split(
         [n_grouped, n_grouped, n_experts])
     pad_start_G = caps_G.cumsum(0) - caps_G
     # Which sorted row feeds each padded slot.

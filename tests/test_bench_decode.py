@@ -26,6 +26,7 @@ def test_bench_reports_every_path_its_bound_and_its_checks(tmp_path, capsys):
     assert data["weight_bytes_per_char"] == 2 * (4 * 32 * 32 + 4 * 32 + 2 * 3 * 32 * 32 + 40 * 32 + 32)
     assert data["checks"]["greedy_first_difference"] is None  # greedy: the same text as today's path
     assert data["checks"]["stream_first_difference"] == {"0": None, "1": None}
+    assert data["slide_ms"]["keep"] == 14 and data["slide_ms"]["ms"] > 0 and not data["slide_ms"]["graphed"]
     table = capsys.readouterr().out
     assert "| path | graphs | streams | char/s |" in table and "the same as today's path" in table
 

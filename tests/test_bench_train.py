@@ -25,3 +25,9 @@ def test_bench_reports_throughput_flops_and_the_busiest_expert_on_random_and_cor
         assert r["gflop_per_char"] * 1e9 == 6 * (4 * 32 ** 2 + 32 * 4 + 2 * 3 * 32 * 32 + 32 * vocab) + 12 * 32 * 16
         assert r["busiest_expert"] >= 1.0  # the last step's busiest expert over its fair share
     assert "| cpu_tiny | off |" in capsys.readouterr().out
+
+
+def test_a_corpus_that_is_not_there_is_one_line_and_exit_2(tmp_path, capsys):
+    assert bench_train.main(["--device", "cpu", "--profiles", "cpu_tiny", "--data", str(tmp_path / "none.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_train: data path") and "none.txt" in err and err.count("\n") == 1

@@ -22,7 +22,7 @@ import torch
 import train as train_py
 from minagi import checkpoint, runlog
 from minagi.checkpoint import load_checkpoint
-from minagi.runlog import RunFolder, read_history
+from minagi.runlog import HISTORY_FIELDS, History, RunFolder, read_history
 from tiny import run_tiny, tiny_argv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -237,3 +237,15 @@ def test_run_json_records_the_corpus_that_identifies_the_run(tmp_path, data_path
     assert corpus["files"] == 1 and corpus["heldout_files"] == [] and corpus["vocab_size"] == len(set(text))
     assert corpus["train_chars"] + corpus["heldout_chars"] == len(text)
     assert corpus["heldout_chars"] == len(text) - int(len(text) * 0.9) and len(corpus["content_key"]) == 32
+
+
+def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path):
+    path = tmp_path / "history.jsonl"
+    record = dict.fromkeys(HISTORY_FIELDS, 1)
+    with History(path) as h:
+        h.append(record)
+    with open(path, "a") as f:
+        f.write('{"step": 2, "chars_se')  # a crash mid-line
+    with History(path) as h:
+        h.append({**record, "step": 3})
+    assert [r["step"] for r in read_history(path)] == [1, 3]

@@ -12,7 +12,6 @@ import random
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +19,11 @@ import pytest
 import torch
 
 import train as train_py
-from minagi import devices, runlog, trainer
+from minagi import runlog, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
 from minagi.model import CharLM
-from minagi.runlog import HISTORY_FIELDS, History, read_history
+from minagi.runlog import HISTORY_FIELDS, read_history
 from minagi.trainer import NonFiniteLossError, lr_factor, resume_config, train
 from tiny import TINY, interrupt_at, run_tiny, tiny_argv, tiny_cfg, tiny_text, write_tiny_text
 
@@ -555,57 +554,3 @@ def test_without_a_terminal_a_run_prints_a_progress_line_ten_times_an_interval(f
     steps = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/20: loss \d+\.\d{4} \| [\d,]+ char/s \| "
                                                    r"rss \d+\.\d\dGiB$", first_try["out"], re.M)]
     assert steps == list(range(2, 21, 2))
-
-
-# ------------------------------------------------------------------------------ devices and runlog
-
-@pytest.mark.parametrize("cuda, hip, why", [
-    (None, None, "is a CPU-only build)"),
-    ("12.8", None, "is built for CUDA 12.8 but sees no GPU: no driver, or CUDA_VISIBLE_DEVICES hides them)"),
-    (None, "6.4", "is built for ROCm 6.4 but sees no GPU"),
-])
-def test_cuda_requested_without_cuda_is_a_one_line_error_saying_why(monkeypatch, cuda, hip, why):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.version, "cuda", cuda)
-    monkeypatch.setattr(torch.version, "hip", hip)
-    with pytest.raises(devices.DeviceError) as err:
-        devices.choose_device("cuda")
-    msg = str(err.value)
-    assert msg.startswith(f"train.device=cuda but no CUDA device is available (torch {torch.__version__} ")
-    assert why in msg and msg.endswith("; use train.device=cpu or auto") and "\n" not in msg
-    assert devices.choose_device("auto").type == "cpu"
-
-
-def test_alloc_conf_is_set_under_every_name_torch_reads_and_warns_on_windows(monkeypatch):
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # earlier GPU tests may have
-    assert devices.apply_alloc_conf("") == []
-    assert "PYTORCH_ALLOC_CONF" not in os.environ
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        names = devices.apply_alloc_conf("expandable_segments:True")
-    assert {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} <= set(names)
-    assert all(os.environ[n] == "expandable_segments:True" for n in names)
-    monkeypatch.setattr(sys, "platform", "win32")
-    with pytest.warns(UserWarning, match="expandable_segments is ignored by PyTorch on Windows"):
-        devices.apply_alloc_conf("expandable_segments:True")
-
-
-def test_cpu_memory_stats_are_none_beside_the_resident_memory():
-    stats = devices.memory_stats(torch.device("cpu"))
-    assert set(stats) <= set(HISTORY_FIELDS)
-    assert stats["mem_peak_reserved"] is None and stats["alloc_retries"] is None
-    assert stats["rss_bytes"] > 10 * 2**20
-
-
-def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path):
-    path = tmp_path / "history.jsonl"
-    record = dict.fromkeys(HISTORY_FIELDS, 1)
-    with History(path) as h:
-        h.append(record)
-    with open(path, "a") as f:
-        f.write('{"step": 2, "chars_se')  # a crash mid-line
-    with History(path) as h:
-        h.append({**record, "step": 3})
-    assert [r["step"] for r in read_history(path)] == [1, 3]

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
-from minagi.decode import auto_grouped  # noqa: E402
+from minagi.decode import Decoder, auto_grouped  # noqa: E402
 from minagi.frozen import frozen_stacks  # noqa: E402
 from minagi.model import CharLM, build_model  # noqa: E402
 from minagi.offload import attach_offload  # noqa: E402
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
             "torch": torch.__version__, "python": platform.python_version(), "profile": args.profile,
             "overrides": args.set, "params": sum(p.numel() for p in model.parameters()),
             "weight_bytes_per_char": weight_bytes(model), "copy_bytes_per_s": bandwidth, "results": rows,
-            "checks": checks(model, vocab, device, args)}
+            "slide_ms": slide_ms(model, device), "checks": checks(model, vocab, device, args)}
 
 
 def run_offloaded(model: CharLM, vocab: Vocab, device: torch.device, args: argparse.Namespace) -> dict:
@@ -291,6 +291,23 @@ def print_offloaded(data: dict) -> None:
           f"{'the same text as' if data['greedy_experts_equals_rows'] else 'a DIFFERENT text from'} staging rows")
 
 
+def slide_ms(model: CharLM, device: torch.device, repeat: int = 10) -> dict:
+    """ms of one slide of one stream (its last keep - 1 characters prefilled again), median of `repeat`
+    after a warm-up, with graphs as `write` chooses them on this device."""
+    window = model.cfg.context
+    decoder = Decoder(model, [0], window, graphs=device.type == "cuda")
+    decoder.prefill([0], [[i % model.vocab_size for i in range(window)]])  # a full window
+    decoder.prepare_slides([1])
+    times = []
+    for _ in range(repeat + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        decoder.slide([0])
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"keep": decoder.keep, "graphed": 1 in decoder._slides, "ms": sorted(times[1:])[repeat // 2]}
+
+
 def checks(model: CharLM, vocab: Vocab, device: torch.device, args: argparse.Namespace) -> dict:
     """Greedy text of today's path vs the static path; two streams of a batch vs each written alone."""
     n = args.today_chars
@@ -332,6 +349,9 @@ def print_table(data: dict) -> None:
             print(f"\nGPU kernels of the graphed step at batch 1 ({r['path']}), us per character:")
             for name, us in r["top_kernels_us"]:
                 print(f"  {us:8.1f}  {name[:110]}")
+    sl = data["slide_ms"]
+    print(f"\na slide of one stream ({sl['keep'] - 1} characters prefilled again"
+          f"{', a graph replay' if sl['graphed'] else ''}): {sl['ms']:.2f} ms")
     c = data["checks"]
     same = "the same" if c["greedy_first_difference"] is None else f"differs from char {c['greedy_first_difference']}"
     print(f"\ngreedy, {c['greedy_chars']} chars: the static path's text is {same} as today's path")

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
-from minagi.data import batch_on, load_corpus  # noqa: E402
+from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -152,10 +152,9 @@ def gpu_timeline(fn, device: torch.device, calls: int = 2, gaps: int = 8) -> dic
             "gaps": [(round(us / 1e3, 3), before, after) for us, before, after in sorted(idle, reverse=True)[:gaps]]}
 
 
-def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None) -> dict:
+def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None, corpus=None) -> dict:
     cfg = load_config(profile, [f"train.compile={'true' if compile_on else 'false'}", f"train.device={device.type}",
                                 f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=1", *args.sets])
-    corpus = None if args.data is None else load_corpus(args.data, cfg.data.heldout_fraction, cfg.data.cache_dir)
     vocab = VOCAB if corpus is None else corpus.vocab.size
     training = build_training(cfg, vocab, device, 1)
     g = torch.Generator(device=device).manual_seed(0)
@@ -229,6 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    try:  # once for every profile; a bad path is one line, not a traceback after the matmul probe
+        corpus = None if args.data is None else load_corpus(args.data, 0.1)
+    except DataError as e:
+        print(f"bench_train: {e}", file=sys.stderr)
+        return 2
     rate = matmul_tflops(device)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "matmul_tflops": rate}
@@ -237,7 +241,7 @@ def main(argv=None) -> int:
     for profile in args.profiles:
         for mode in args.compile:
             try:
-                results.append(run(profile, mode == "on", args, device, rate))
+                results.append(run(profile, mode == "on", args, device, rate, corpus))
             except torch.OutOfMemoryError as e:
                 results.append({"profile": profile, "compile": mode == "on", "error": str(e).splitlines()[0]})
                 gc.collect()
