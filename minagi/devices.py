@@ -11,16 +11,23 @@ import os
 import resource
 import sys
 import warnings
+from typing import Callable
 
 import torch
 
 __all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
-           "device_name", "memory_stats", "rss_bytes"]
+           "device_name", "host_syncs", "memory_stats", "rss_bytes"]
 
 # Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
 # ROCm builds PYTORCH_HIP_ALLOC_CONF. Setting a name a given build does not read is harmless, and
 # the same value under every name means whichever the build reads first, it gets the one we meant.
 _GENERIC, _CUDA, _HIP = "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"
+
+
+# What torch.cuda.set_sync_debug_mode("warn") warns at each synchronizing call. Setting the mode also
+# warns, once a process, that it "does not yet detect all synchronizing operations": not a sync, but
+# counting every warning that says "synchroniz" took it for one (docs/benchmarks.md §10).
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 class DeviceError(RuntimeError):
@@ -150,3 +157,20 @@ def memory_stats(device: torch.device, reset_peak: bool = True) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
     out["rss_bytes"] = rss_bytes()
     return out
+
+
+def host_syncs(fn: Callable[[], object]) -> list[str]:
+    """The host syncs torch's sync debug mode reports while `fn` runs, each as the "file:line" of the
+    Python line that made it (a sync in the autograd engine's thread has no Python line of its own;
+    it shows as the line that called backward). [] off CUDA, where the mode does not exist."""
+    if not torch.cuda.is_available():
+        fn()
+        return []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]

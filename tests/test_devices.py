@@ -49,3 +49,32 @@ def test_cpu_memory_stats_are_none_beside_the_resident_memory():
     assert set(stats) <= set(HISTORY_FIELDS)
     assert stats["mem_peak_reserved"] is None and stats["alloc_retries"] is None
     assert stats["rss_bytes"] > 10 * 2**20
+
+
+def test_host_syncs_counts_sync_warnings_only_not_the_modes_own_notice(monkeypatch):
+    """torch's sync debug mode warns "called a synchronizing CUDA operation" at each sync, and once a
+    process, on being set, that it "does not yet detect all synchronizing operations": one sync
+    in the step is one, not two (what bench_train counted until session 7)."""
+    mode = {"now": "default"}
+
+    def set_mode(m):
+        if m == "warn":
+            warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                          "synchronizing operations")
+        mode["now"] = m
+
+    def step():
+        warnings.warn("some other warning")
+        if mode["now"] == "warn":
+            warnings.warn(devices.SYNC_WARNING)  # the loss read
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    sites = devices.host_syncs(step)
+    assert len(sites) == 1 and sites[0].startswith(__file__) and mode["now"] == "default"
+
+
+def test_host_syncs_off_cuda_runs_the_call_and_counts_none(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    assert devices.host_syncs(lambda: ran.append(1)) == [] and ran == [1]

@@ -28,7 +28,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
 from minagi.decode import Decoder, auto_grouped  # noqa: E402
+from minagi.devices import host_syncs  # noqa: E402
 from minagi.frozen import frozen_stacks  # noqa: E402
 from minagi.model import CharLM, build_model  # noqa: E402
 from minagi.offload import attach_offload  # noqa: E402
@@ -182,15 +182,7 @@ def counted(make_chars, n: int, device: torch.device, top: int = 0) -> dict:
     launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
     out = {"kernels_per_step": len(kernels) / n, "launch_calls_per_step": launches / n,
            "gpu_us_per_step": sum(e.device_time for e in kernels) / n}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(n):
-                next(chars)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    out["syncs_per_step"] = sum("synchroniz" in str(w.message) for w in caught) / n
+    out["syncs_per_step"] = len(host_syncs(lambda: [next(chars) for _ in range(n)])) / n
     if top:
         totals: dict[str, float] = {}
         for e in kernels:

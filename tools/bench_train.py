@@ -23,7 +23,6 @@ import gc
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
+from minagi.devices import host_syncs  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -80,32 +80,6 @@ def matmul_tflops(device: torch.device) -> float | None:
     end.record()
     end.synchronize()
     return 2 * 8192 ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
-
-
-def syncs_in(fn) -> int:
-    """Host syncs torch reports (set_sync_debug_mode "warn") while fn runs."""
-    if not torch.cuda.is_available():
-        return 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
-def sync_sites(fn) -> list[str]:
-    """Where a step syncs with the host: the Python line of each synchronizing call."""
-    torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def kernel_time_by_kind(fn, device: torch.device) -> tuple[list[tuple[str, float]], list[tuple[str, float, int]]]:
@@ -194,7 +168,11 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
            "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
            "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
-           "syncs_per_step": syncs_in(one), "vocab": vocab, "busiest_expert": busiest_expert(last["stats"])}
+           "vocab": vocab, "busiest_expert": busiest_expert(last["stats"])}
+    sites = host_syncs(one)  # one step more, after the timed ones
+    out["syncs_per_step"] = len(sites)
+    if args.sync_trace:
+        out["sync_sites"] = sites
     if rate:
         out["mfu"] = flops_per_char(cfg, vocab) * out["chars_per_s"] / (rate * 1e12)
     if device.type == "cuda":
@@ -202,8 +180,6 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
         if args.trace:
             out["gpu_ms_by_kind"], out["top_kernels"] = kernel_time_by_kind(one, device)
             out["timeline"] = gpu_timeline(one, device)
-        if args.sync_trace:
-            out["sync_sites"] = sync_sites(one)
     del training
     gc.collect()
     torch._dynamo.reset()
