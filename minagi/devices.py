@@ -161,8 +161,8 @@ def memory_stats(device: torch.device, reset_peak: bool = True) -> dict:
 
 def host_syncs(fn: Callable[[], object]) -> list[str]:
     """The host syncs torch's sync debug mode reports while `fn` runs, each as the "file:line" of the
-    Python line that made it (a sync in the autograd engine's thread has no Python line of its own;
-    it shows as the line that called backward). [] off CUDA, where the mode does not exist."""
+    Python frame torch warned in. `fn` runs everywhere; off CUDA, where the mode does not exist, the
+    list is empty."""
     if not torch.cuda.is_available():
         fn()
         return []
