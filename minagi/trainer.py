@@ -26,6 +26,7 @@ rank 0 and shared, so ranks go on, or fail, together.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import sys
@@ -56,6 +57,9 @@ __all__ = ["NonFiniteLossError", "TrainResult", "TrainState", "Training", "build
            "evaluate", "lr_factor", "resume_config", "train", "train_step"]
 
 LN2 = math.log(2.0)
+# The progress line's char/s is over the last this many steps, not the interval: the first interval's
+# mean holds torch.compile's minute (history.jsonl's chars_per_s stays the interval's mean).
+RATE_WINDOW = 16
 
 
 class NonFiniteLossError(RuntimeError):
@@ -447,6 +451,7 @@ class Trainer:
         plain = self.progress and self.is_main and bar.disable
         self.line_every = max(1, min(tc.eval_every, tc.steps) // 10) if plain else 0
         self.interval_chars, self.interval_s, self.interval_steps = 0, 0.0, 0
+        self.recent_s: collections.deque[float] = collections.deque(maxlen=RATE_WINDOW)  # step seconds
         self.ahead: tuple[int, tuple[Tensor, Tensor]] | None = None  # (step, batch) made during the step before
         self.owed = None       # (payload, record, improved) of an evaluation whose files are not all written
         self.lr = self._last_lr() if state.eval_due else None
@@ -509,13 +514,15 @@ class Trainer:
         self.interval_s += dt
         self.interval_chars += tc.batch_size * mc.context
         self.interval_steps += 1
+        self.recent_s.append(dt)
         self.result.losses.append(stats.ce)
         self.result.step = state.step
         line_due = self.line_every and state.step % self.line_every == 0
         if not bar.disable or line_due:
             mem = (f"mem {_fmt_bytes(torch.cuda.memory_allocated(self.device))}" if self.device.type == "cuda"
                    else f"rss {_fmt_bytes(devices.rss_bytes())}")
-            status = f"loss {stats.ce:.4f} | {self.interval_chars / self.interval_s:,.0f} char/s | {mem}"
+            rate = len(self.recent_s) * tc.batch_size * mc.context / sum(self.recent_s)
+            status = f"loss {stats.ce:.4f} | {rate:,.0f} char/s | {mem}"
             if bar.disable:
                 self.say(f"step {state.step}/{tc.steps}: {status}")
             else:

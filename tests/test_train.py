@@ -12,6 +12,8 @@ import random
 import re
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -554,3 +556,27 @@ def test_without_a_terminal_a_run_prints_a_progress_line_ten_times_an_interval(f
     steps = [int(m.group(1)) for m in re.finditer(r"^step (\d+)/20: loss \d+\.\d{4} \| [\d,]+ char/s \| "
                                                    r"rss \d+\.\d\dGiB$", first_try["out"], re.M)]
     assert steps == list(range(2, 21, 2))
+
+
+def test_the_progress_lines_rate_is_the_last_steps_not_a_mean_holding_the_compile(tmp_path, monkeypatch):
+    """A first step of 100 s (a compile), then 0.5 s steps of 64 characters: once 16 steps have passed
+    the line says 128 char/s; history.jsonl keeps the interval's mean, compile included."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def perf_counter():  # _step reads it twice a step: before and after
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:
+            clock["now"] += 100.0 if clock["calls"] == 2 else 0.5
+        return clock["now"]
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=perf_counter,
+                                                                       strftime=time.strftime))
+    lines = []
+    cfg = tiny_cfg(tmp_path, None, "train.steps=40", "train.eval_every=40")
+    train(cfg, "tiny", progress=True, log=lines.append, argv=["test"])
+    rates = {int(m.group(1)): int(m.group(2).replace(",", "")) for m in
+             (re.match(r"step (\d+)/40: loss \S+ \| ([\d,]+) char/s", line) for line in lines) if m}
+    assert sorted(rates) == list(range(4, 41, 4))
+    assert rates[4] == round(4 * 64 / 101.5) and all(rates[s] == 128 for s in range(20, 41, 4))
+    history = [json.loads(line) for line in (tmp_path / "runs" / "run" / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["chars_per_s"] == pytest.approx(40 * 64 / (100 + 39 * 0.5))
