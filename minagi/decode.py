@@ -72,27 +72,21 @@ def default_keep(window: int) -> int:
 
 @contextlib.contextmanager
 def inference(model: CharLM, device: torch.device):
-    """One forward call's settings: eval mode, no autograd, bf16 autocast on CUDA, dropless experts.
+    """One forward call's settings: eval mode, no autograd, bf16 autocast on CUDA. Writing's forward
+    calls pass `dropless=True` too: with capacity_factor > 0 a character's output would depend on
+    which other characters share the call (a prefill of 60 may drop, a step of 1 never does), so the
+    cache and the recomputation would disagree. Capacity is a training-throughput knob.
 
-    Entered per call, never across a `yield`: thread-local grad mode and module attributes would
-    otherwise leak into the caller's code between two characters.
-    Dropless: with capacity_factor > 0 a character's output would depend on which other characters
-    share the call (a prefill of 60 may drop, a step of 1 never does), so the cache and the
-    recomputation would disagree. Capacity is a training-throughput knob; writing uses none.
+    Entered per call, never across a `yield`: thread-local grad mode and the model's train flag
+    would otherwise leak into the caller's code between two characters.
     """
-    pools = model.pools()
-    saved = [pool.capacity_factor for pool in pools]
     was_training = model.training
     if was_training:  # .eval() walks every module: skip it when there is nothing to change
         model.eval()
-    for pool in pools:
-        pool.capacity_factor = 0.0
     try:
         with torch.inference_mode(), autocast(device):
             yield
     finally:
-        for pool, c in zip(pools, saved):
-            pool.capacity_factor = c
         if was_training:
             model.train()
 
@@ -116,6 +110,8 @@ class Decoder:
     gathered (docs/benchmarks.md §11). Gathered, a step's bits for a stream never depend on the
     others; grouped, they may by bf16 rounding (the GEMM's tiling follows how many rows each expert
     has), and so may a prefill's or a slide's, which run the streams sliding together as one batch.
+    read_in_place: offloaded frozen stacks read each step's chosen experts from their pinned homes
+    (minagi/offload.py), where False stages their rows.
     compiled: run the step's pieces (minagi/decode_step.py) through torch.compile: fewer, fused
     kernels for a first-use compile (CUDA only, resident experts only).
     products: the step's matrix-vector products as products and sums (decode_step.py); None = where
@@ -127,7 +123,7 @@ class Decoder:
 
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, keep: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
-                 compiled: bool = False, products: bool | None = None):
+                 compiled: bool = False, products: bool | None = None, read_in_place: bool = False):
         device = model.embed.weight.device
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
@@ -135,7 +131,7 @@ class Decoder:
             raise ValueError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
         if compiled and device.type != "cuda":
             raise ValueError(f"a compiled step needs a CUDA device (Triton); the model is on {device.type}")
-        self.expert_path = expert_path
+        self.expert_path, self.read_in_place = expert_path, read_in_place
         self.products = compiled and len(seeds) <= _PRODUCTS_MAX_STREAMS if products is None else products
         self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
             _compiled_pieces() if compiled else
@@ -214,7 +210,8 @@ class Decoder:
                                  "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
             if self.qkv_step is not decode_step.qkv_step:
                 raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
-            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts, products=self.products)
+            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts, products=self.products,
+                              in_place=self.read_in_place)
         grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and auto_grouped(mlp, self.n_streams))
         stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
         if self.products and not grouped:  # decode_step.gathered_products sums along contiguous memory
@@ -233,7 +230,7 @@ class Decoder:
             if step.products and step.kind == "gathered":  # transposed for the step: back to [E, D, 2F], [E, F, D]
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
             return MLPWeights("grouped", step.tensors[:2] + (gate_up, down), step.top_k, fused=step.fused)
-        return MLPWeights("module", (), step.top_k, stack=mlp)
+        return MLPWeights("module", (), step.top_k, stack=mlp, in_place=step.in_place)
 
     # ------------------------------------------------------------------ the step (captured)
 

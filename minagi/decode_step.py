@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .dense import dense_swiglu
 from .dispatch import make_plan, run_native
-from .pool import compute_dtype
+from .mlp import compute_dtype
 from .router import chosen_gates, choose_experts
 from .swiglu import swiglu_eager
 
@@ -55,6 +55,7 @@ class MLPWeights(NamedTuple):
     fused: bool = False  # the grouped path's SwiGLU may use the Triton kernels
     stack: object = None  # `stack`: its `weights(dtype, experts=ids)`; `module`: the module
     products: bool = False  # the row's projection, router, top-k and gathered experts as sums (module docstring)
+    in_place: bool = False  # `stack`, offloaded: read the chosen experts from their pinned homes
 
 
 def linear_step(x_BI: Tensor, w_OI: Tensor, products: bool) -> Tensor:
@@ -110,7 +111,7 @@ def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:
     """[B, D] -> [B, D] in the compute dtype. (The residual add promotes it: the same bits as casting first.)"""
     dtype = compute_dtype(x_BD)
     if mlp.kind == "module":
-        return mlp.stack(x_BD)[0]
+        return mlp.stack(x_BD, dropless=True, in_place=mlp.in_place)[0]
     if mlp.kind == "dense":
         return dense_swiglu(x_BD.to(dtype), *mlp.tensors)
     router_ED, bias_E = mlp.tensors[:2]
@@ -123,7 +124,7 @@ def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:
         return gathered_products(x_BD.to(dtype), gates_BK.to(dtype), ids_BK, *mlp.tensors[2:])
     ids_S = ids_BK.reshape(-1)
     if mlp.kind == "stack":
-        gate_up_SDF2, down_SFD = mlp.stack.weights(dtype, experts=ids_S)
+        gate_up_SDF2, down_SFD = mlp.stack.weights(dtype, experts=ids_S, in_place=mlp.in_place)
     else:
         gate_up_SDF2 = mlp.tensors[2].index_select(0, ids_S).to(dtype)
         down_SFD = mlp.tensors[3].index_select(0, ids_S).to(dtype)

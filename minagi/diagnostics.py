@@ -2,7 +2,7 @@
 
 Shape legend: L pooled rows, E experts.
 
-The pools return their counts (minagi/pool.py `RouteCounts`); the trainer hands one training step's
+The pools return their counts (minagi/mlp.py `RouteCounts`); the trainer hands one training step's
 counts to `RoutingMeter.add` once — summed over ranks already under DDP, with the step's loss in one
 all-reduce (`reduce_over_ranks`) — so a row recomputed in
 backward, an evaluation or a sampling call never counts. The meter is part of the checkpointed
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .distributed import all_reduce_sum
-from .pool import RouteCounts
+from .mlp import RouteCounts
 
 __all__ = ["RoutingMeter", "StepCounts", "reduce_over_ranks", "step_counts", "summarise"]
 

@@ -6,8 +6,8 @@ Every path computes the same function; they differ only in how rows are padded:
   grouped   — experts grouped by load rounded with `_bucket`; one bmm pair per group.
   rectangle — every expert padded to the busiest one's load (the old path; one bmm pair).
 
-Weights come from the pool's expert stack (minagi/experts.py): tensors, or objects that bring their
-own `grouped_mm` / `group_bmm` (frozen NF4 stacks); the runners only ever multiply through those two.
+Weights come from the pool's expert stack (minagi/experts.py): tensors, or frozen stacks' rebuilt
+weights; the runners only ever multiply through minagi/mm.py's `grouped_mm` and `group_bmm`.
 
 Shape legend:
   N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows,
@@ -17,18 +17,14 @@ Shape legend:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .mm import GROUPED_MM, Weight, group_bmm, grouped_mm
 from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "rectangle", "loop")
-
-# torch >= 2.10 exposes F.grouped_mm; 2.8-2.9 only torch._grouped_mm. Both take (a_2D, b_3D, offs=int32).
-GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _bucket(n: int) -> int:
@@ -187,30 +183,6 @@ class _CombineRows(torch.autograd.Function):
         return _take(grad_ND.contiguous(), token_I, ctx.token_masked), None, None, None, None, None
 
 
-class _GatherGroups(torch.autograd.Function):
-    """Each group's rows of a stacked tensor: (x[index_g] for each group g), index split by `sizes`.
-
-    Every row of x belongs to at most one group, so the backward writes each group's gradient
-    straight into x's gradient (index_copy_). One gather split into group views would copy the card's
-    gradient twice in backward: the split's cat, then the gather's own backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x, index_G, sizes: list[int], covers_all: bool):
-        ctx.save_for_backward(index_G)
-        ctx.sizes, ctx.shape, ctx.covers_all = sizes, x.shape, covers_all
-        return tuple(x.index_select(0, index_g) for index_g in index_G.split(sizes))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        (index_G,) = ctx.saved_tensors
-        # Rows in no group (idle experts) get zeros; when the groups cover every row, nothing is left.
-        grad_x = grads[0].new_empty(ctx.shape) if ctx.covers_all else grads[0].new_zeros(ctx.shape)
-        for index_g, grad_g in zip(index_G.split(ctx.sizes), grads):
-            grad_x.index_copy_(0, index_g, grad_g)
-        return grad_x, None, None, None
-
-
 def host_to_device(values: list[int], device: torch.device) -> Tensor:
     """A small index list onto the device without a host sync (pinned memory, asynchronous copy)."""
     t = torch.tensor(values, dtype=torch.long)
@@ -243,39 +215,6 @@ def gather_sum(src_SD: Tensor, index_flat: Tensor, top_k: int, masked: bool) -> 
     the H200 (docs/LOG.md, "a compiled one-pass gather-and-sum").
     """
     return _take(src_SD, index_flat, masked).view(-1, top_k, src_SD.shape[-1]).sum(1)
-
-
-# ---------------------------------------------------------------- the two matmuls on expert weights
-
-class StackWeight(Protocol):
-    """What a non-tensor expert weight (e.g. a frozen NF4 stack) provides instead of a tensor."""
-
-    def grouped_mm(self, x_RD: Tensor, offs_E: Tensor) -> Tensor: ...
-
-    def group_bmm(self, x_groups: list[Tensor], experts_G: Tensor, sizes: list[int],
-                  covers_all: bool) -> list[Tensor]: ...
-
-
-Weight = Union[Tensor, StackWeight]
-
-
-def grouped_mm(x_RD: Tensor, weight: Weight, offs_E: Tensor) -> Tensor:
-    """Rows of expert e (offs_E[e-1]:offs_E[e]) times expert e's weight, packed: [R, D] -> [R, out]."""
-    if isinstance(weight, Tensor):
-        return GROUPED_MM(x_RD, weight, offs=offs_E)
-    return weight.grouped_mm(x_RD, offs_E)
-
-
-def group_bmm(x_groups: list[Tensor], weight: Weight, experts_G: Tensor, sizes: list[int],
-              covers_all: bool) -> list[Tensor]:
-    """For each group g of `sizes[g]` experts (their ids in order in `experts_G`): x_g [g, C, in] bmm
-    the group's weights [g, in, out]. `covers_all`: the groups hold every expert of the stack."""
-    if not x_groups:
-        return []
-    if isinstance(weight, Tensor):
-        weights = _GatherGroups.apply(weight, experts_G, sizes, covers_all)
-        return [torch.bmm(x, w) for x, w in zip(x_groups, weights)]
-    return weight.group_bmm(x_groups, experts_G, sizes, covers_all)
 
 
 # ---------------------------------------------------------------- paths: [N, D] -> [N, D]

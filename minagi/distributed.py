@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
-           "init_process_group", "install_count_reducers", "wrap_ddp", "is_shared_error", "main_first",
+           "init_process_group", "wrap_ddp", "is_shared_error", "main_first",
            "mean_over_ranks", "process_group", "rank_info"]
 
 T = TypeVar("T")
@@ -128,21 +128,14 @@ def _active(world_size: int) -> bool:
 def all_reduce_sum(t: Tensor) -> Tensor:
     """The sum over ranks of `t`, as a new tensor (`t` stays this rank's).
 
-    PooledMLP.count_reducer: called inside the forward on detached counts, once per pool per forward
+    The pools' `count_reducer` under DDP (given when the model is built): called inside the forward
+    on detached counts, once per pool per forward
     on every rank (every pool routes every call; a row's checkpoint replay reuses the forward's sum),
     so it is an ordinary collective for DDP.
     """
     out = t.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
-
-
-def install_count_reducers(model: torch.nn.Module) -> None:
-    """Make every pool reduce its balance-term counts f_i over ranks, so all ranks see the global
-    batch's routing. (The aux-free bias loads and the sink diagnostics are summed by the trainer, in
-    the step's one all-reduce.)"""
-    for pool in model.pools():
-        pool.count_reducer = all_reduce_sum
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, ignore: list[str] = ()) -> DistributedDataParallel:

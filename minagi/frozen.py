@@ -1,18 +1,24 @@
-"""Frozen expert stacks: NF4 (or plain bf16) buffers that never train, LoRA adapters that do, and
-the matmuls that dequantize the stacks on the fly.
+"""Frozen expert stacks: NF4 (or plain bf16) buffers that never train, LoRA adapters that do.
 
 Shape legend: E experts, I a stack's input width, O its output width (gate_up: D -> 2F, down:
-F -> D), S chosen experts, r the LoRA rank, R routed rows, G experts in a group, C its capacity.
+F -> D), S chosen experts, r the LoRA rank.
 
 `FrozenExpertStack` replaces a pool's trainable `ExpertStack` through the expert-weights seam
-(minagi/experts.py): `weights(dtype)` gives `FrozenWeight`s, which bring their own `grouped_mm` /
-`group_bmm`, so every dispatch path runs on them unchanged; `weights(dtype, experts=ids)` gives the
-chosen experts dequantized (writing). The stacks are buffers: no gradient, no optimizer state.
+(minagi/experts.py, which builds it): `weights(dtype)` gives `mm.RebuiltWeight`s (the stack
+dequantized at each use, never kept, with its LoRA pair), which every dispatch path multiplies
+through minagi/mm.py unchanged; `weights(dtype, experts=ids)` gives the chosen experts dequantized
+(writing). The stacks are buffers: no gradient, no optimizer state.
 
-Each matmul on a frozen stack is an autograd Function that saves only index tensors: the
-dequantized stack is never kept for backward (as a saved tensor or a ctx attribute); backward
-dequantizes again, or takes what the row's checkpoint replay pinned (minagi/recompute.py). Every
+A frozen stack is given, when it is built, everything it depends on: its byte source (`ResidentBytes`,
+or an offload stager's `StagedBytes`: minagi/offload.py), its replay pin policy (under row
+checkpointing: minagi/recompute.py `PinPolicy`), its dequant backend and its name in the model. Every
 dequant is counted by phase (forward / replay / backward) in the stack's `DequantStats`.
+
+The pin's decision: on the paths that multiply a row's gate_up and down together (grouped, loop,
+rectangle: `group_bmm`), one decision for the row, taken on gate_up's whole stack; down keeps its
+replay's stack when gate_up did. On the native path (`grouped_mm`) each projection decides alone,
+on its own whole stack. The floor and the fit check always see whole stacks, so a stack does not
+pin one step and recompute the next because of its routing.
 """
 from __future__ import annotations
 
@@ -26,10 +32,10 @@ from torch import Tensor
 
 from . import recompute
 from .config import ExpertsConfig
-from .dispatch import GROUPED_MM, group_bmm, grouped_mm
+from .mm import RebuiltWeight
 from .nf4 import NF4Packed, dequantize_nf4, dequantize_rows, double_quantize_absmax, quantize_nf4, select_dequant
 
-__all__ = ["DequantStats", "FrozenExpertStack", "FrozenStack", "FrozenWeight", "dequant_summary", "frozen_stacks"]
+__all__ = ["DequantStats", "FrozenExpertStack", "FrozenStack", "ResidentBytes", "dequant_summary", "frozen_stacks"]
 
 PHASES = ("forward", "replay", "backward")
 _INIT_CHUNK = 1 << 24  # weights drawn and quantized per pass when a stack is initialised
@@ -76,17 +82,18 @@ class FrozenStack(nn.Module):
 
     _NF4_NAMES = ("packed", "absmax", "absmax_q", "absmax2", "offset")
 
-    def __init__(self, shape: tuple[int, int, int], cfg: ExpertsConfig, device: torch.device | str):
+    def __init__(self, shape: tuple[int, int, int], cfg: ExpertsConfig, device: torch.device | str,
+                 name: str = "stack"):
         super().__init__()
         self.shape, self.quant, self.blocksize = tuple(shape), cfg.quant, cfg.blocksize
-        self.name = "stack"  # its place in the model, for logs (set by frozen_stacks)
+        self.name = name  # its place in the model, for logs
         self.stats = DequantStats()
         self.compute_device = torch.device(device)
         self.backend = select_dequant(device)
         # offload = "cpu": the buffers are homes in pinned CPU memory (pinned once, here), staged to the
-        # compute device per use by a stager (minagi/offload.py) that `attach_offload` sets.
+        # compute device per use through the byte source the builder gives (minagi/offload.py).
         self.offloaded = cfg.offload == "cpu"
-        self.stager = None
+        self.source = ResidentBytes(self)
         device = torch.device("cpu") if self.offloaded else self.compute_device
         pin = self.offloaded and torch.cuda.is_available()  # pinning needs a CUDA driver; tests stage CPU to CPU
         empty = (lambda *a, **k: torch.empty(*a, **k).pin_memory()) if pin else torch.empty
@@ -122,16 +129,11 @@ class FrozenStack(nn.Module):
         """The stored tensors by name (on their home: the compute device, or pinned CPU memory)."""
         return {k: getattr(self, k) for k in (*self._NF4_NAMES, "weight") if hasattr(self, k)}
 
-    def nf4(self, phase: str | None = None, chosen: bool = False) -> NF4Packed:
-        """The stored NF4 tensors on the compute device: staged a row at a time by the stager when
-        offloaded, or, for a dequant of `chosen` experts while the stager reads those in place, the
-        homes themselves (minagi/offload.py)."""
-        if self.stager is None:
-            tensors = self.stored()
-        elif chosen and self.stager.read_chosen:
-            tensors = self.stager.chosen_source(self)
-        else:
-            tensors = self.stager.fetch(self, phase)
+    def nf4(self, phase: str | None = None, in_place: bool = False) -> NF4Packed:
+        """The stored NF4 tensors as the compute device reads them, from the byte source: resident, a
+        stager's slot (offloaded), or the homes read in place (`in_place`: a dequant of chosen experts
+        that reads only their bytes)."""
+        tensors = self.source.in_place() if in_place else self.source.fetch(phase)
         return NF4Packed.from_tensors(tensors, self.shape, self.blocksize)
 
     def stored_bytes(self) -> int:
@@ -173,114 +175,52 @@ class FrozenStack(nn.Module):
             for key, t in double_quantize_absmax(absmax.to(self.compute_device)).items():
                 getattr(self, key).copy_(t)
 
-    def dequantize(self, dtype: torch.dtype, experts: Tensor | None = None, phase: str | None = None) -> Tensor:
-        """The stack (or experts `experts`) in `dtype`; counted under `phase` when given."""
+    def dequantize(self, dtype: torch.dtype, experts: Tensor | None = None, phase: str | None = None,
+                   in_place: bool = False) -> Tensor:
+        """The stack (or experts `experts`) in `dtype`; counted under `phase` when given. `in_place`:
+        chosen experts read where their bytes are homed (offloaded: across the bus, no staging)."""
         if phase is not None:
             self.stats.counts[phase] += 1
         if self.quant == "none":
             w = self.weight if experts is None else self.weight.index_select(0, experts)
             return w.to(dtype)
-        q = self.nf4(phase, chosen=experts is not None)
+        q = self.nf4(phase, in_place=in_place and experts is not None)
         with self.stats.timed(self.compute_device):
             if experts is None:
                 return dequantize_nf4(q, dtype, backend=self.backend)
             return dequantize_rows(q, experts, dtype, backend=self.backend)
 
 
-def _phase() -> tuple[str, recompute.RowMemo | None]:
-    memo = recompute.active_memo()
-    return ("replay" if memo is not None and memo.replaying else "forward"), memo
+class ResidentBytes:
+    """A stack's byte source when its buffers live on the compute device: the buffers themselves."""
 
+    def __init__(self, stack: FrozenStack):
+        self.stack = stack
 
-def _materialize(weight: "FrozenWeight", experts: Tensor | None, memo, phase: str) -> Tensor:
-    """Dequantize for a forward or a replay; a replay may pin the result for the row's backward."""
-    w = weight.stack.dequantize(weight.dtype, experts, phase)
-    if phase == "replay" and weight.pin is not None:
-        if weight.pin.decide(weight.stack.name, w.numel() * w.element_size(), w.device):
-            memo.slots[weight.slot_key] = w
-            weight.stack.stats.pinned += 1
-    return w
+    def fetch(self, phase: str | None) -> dict[str, Tensor]:
+        return self.stack.stored()
 
-
-def _for_backward(weight: "FrozenWeight", experts: Tensor | None, memo) -> Tensor:
-    """The pinned stack of this row's replay (taken: one-shot), else a fresh dequant."""
-    w = memo.slots.pop(weight.slot_key, None) if memo is not None else None
-    return w if w is not None else weight.stack.dequantize(weight.dtype, experts, "backward")
-
-
-class _FrozenGroupedMM(torch.autograd.Function):
-    """y = grouped_mm(x, W): [R, I] -> [R, O] for packed rows of E experts (offsets offs_E)."""
-
-    @staticmethod
-    def forward(ctx, x_RI: Tensor, offs_E: Tensor, weight: "FrozenWeight") -> Tensor:
-        phase, memo = _phase()
-        w_EIO = _materialize(weight, None, memo, phase)
-        ctx.save_for_backward(offs_E)
-        ctx.weight, ctx.memo = weight, memo
-        return GROUPED_MM(x_RI, w_EIO, offs=offs_E)
-
-    @staticmethod
-    def backward(ctx, grad_RO: Tensor):
-        (offs_E,) = ctx.saved_tensors
-        w_EIO = _for_backward(ctx.weight, None, ctx.memo)
-        return GROUPED_MM(grad_RO.contiguous(), w_EIO.transpose(1, 2), offs=offs_E), None, None
-
-
-class _FrozenGroupBmm(torch.autograd.Function):
-    """For each group: x_g [g, C, I] bmm its experts' W [g, I, O]; the chosen experts dequantized once."""
-
-    @staticmethod
-    def forward(ctx, weight: "FrozenWeight", experts_G: Tensor, sizes: list[int], *x_groups: Tensor):
-        phase, memo = _phase()
-        w_GIO = _materialize(weight, experts_G, memo, phase)
-        ctx.save_for_backward(experts_G)
-        ctx.weight, ctx.memo, ctx.sizes = weight, memo, sizes
-        return tuple(torch.bmm(x, w) for x, w in zip(x_groups, w_GIO.split(sizes)))
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        (experts_G,) = ctx.saved_tensors
-        w_GIO = _for_backward(ctx.weight, experts_G, ctx.memo)
-        grad_x = tuple(None if g is None else torch.bmm(g, w.transpose(1, 2))
-                       for g, w in zip(grads, w_GIO.split(ctx.sizes)))
-        return (None, None, None, *grad_x)
-
-
-class FrozenWeight:
-    """A frozen stack in a compute dtype, with its LoRA pair, as the dispatch runners multiply it."""
-
-    def __init__(self, stack: FrozenStack, dtype: torch.dtype, lora: tuple[Tensor, Tensor] | None, scale: float,
-                 pin: recompute.PinPolicy | None):
-        self.stack, self.dtype, self.lora, self.scale, self.pin = stack, dtype, lora, scale, pin
-        self.slot_key = (id(stack), "dequantized")
-
-    def grouped_mm(self, x_RI: Tensor, offs_E: Tensor) -> Tensor:
-        y_RO = _FrozenGroupedMM.apply(x_RI, offs_E, self)
-        if self.lora is None:
-            return y_RO
-        a_EIr, b_ErO = self.lora
-        return y_RO + self.scale * grouped_mm(grouped_mm(x_RI, a_EIr, offs_E), b_ErO, offs_E)
-
-    def group_bmm(self, x_groups: list[Tensor], experts_G: Tensor, sizes: list[int], covers_all: bool) -> list[Tensor]:
-        ys = list(_FrozenGroupBmm.apply(self, experts_G, sizes, *x_groups))
-        if self.lora is None:
-            return ys
-        a_EIr, b_ErO = self.lora
-        low = group_bmm(group_bmm(x_groups, a_EIr, experts_G, sizes, covers_all), b_ErO, experts_G, sizes, covers_all)
-        return [y + self.scale * d for y, d in zip(ys, low)]
+    def in_place(self) -> dict[str, Tensor]:
+        return self.stack.stored()
 
 
 class FrozenExpertStack(nn.Module):
     """A pool's experts, frozen: gate_up [E, D, 2F] and down [E, F, D] as `FrozenStack`s, and with
-    `lora_rank` > 0 trainable adapters: W + (alpha / r) A B per expert, B starting at zero."""
+    `lora_rank` > 0 trainable adapters: W + (alpha / r) A B per expert, B starting at zero.
+
+    Built by minagi/experts.py `build_stack` with what it depends on: `pin` (the replay pin policy,
+    under row checkpointing; None: never pin), `stager` (experts.offload = "cpu": the row's stacks are
+    registered with it and read through it), `name` (its place in the model), `init` (False: the
+    stacks are left to be loaded, by a resume or --init)."""
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, cfg: ExpertsConfig, device: torch.device | str,
-                 init: bool = True):
+                 *, init: bool = True, pin: recompute.PinPolicy | None = None, stager=None, name: str = "experts"):
         super().__init__()
-        self.cfg, self.initialise = cfg, init
-        self.gate_up = FrozenStack((n_experts, d_model, 2 * d_expert), cfg, device)
-        self.down = FrozenStack((n_experts, d_expert, d_model), cfg, device)
-        self.pin: recompute.PinPolicy | None = None  # set by the trainer under row checkpointing
+        self.cfg, self.initialise, self.pin, self.name = cfg, init, pin, name
+        self.gate_up = FrozenStack((n_experts, d_model, 2 * d_expert), cfg, device, name=f"{name}.gate_up")
+        self.down = FrozenStack((n_experts, d_expert, d_model), cfg, device, name=f"{name}.down")
+        if stager is not None:
+            self.gate_up.source, self.down.source = stager.add_row([self.gate_up, self.down])
         self.scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
         if cfg.lora_rank:
             r = cfg.lora_rank
@@ -314,24 +254,44 @@ class FrozenExpertStack(nn.Module):
             a, b = a.index_select(0, experts), b.index_select(0, experts)
         return a.to(dtype), b.to(dtype)
 
-    def weights(self, dtype: torch.dtype, experts: Tensor | None = None):
+    def weights(self, dtype: torch.dtype, experts: Tensor | None = None, *, in_place: bool = False):
+        """(gate_up, down): all experts as `RebuiltWeight`s for the dispatch paths; or, with `experts`
+        (int64 [S]), those experts dequantized with their adapters merged, [S, D, 2F] and [S, F, D].
+        `in_place`: the experts a dequant reads come from where they are homed, not from a staged
+        row (writing with offloaded stacks; the whole card of the native path is always staged)."""
         if experts is None:
-            return tuple(FrozenWeight(getattr(self, which), dtype, self._lora(which, dtype), self.scale, self.pin)
-                         for which in ("gate_up", "down"))
+            return self._rebuilt("gate_up", dtype, in_place), self._rebuilt("down", dtype, in_place)
         out = []
         for which in ("gate_up", "down"):
-            w = getattr(self, which).dequantize(dtype, experts)
+            w = getattr(self, which).dequantize(dtype, experts, in_place=in_place)
             lora = self._lora(which, dtype, experts)
             out.append(w if lora is None else w + self.scale * torch.bmm(*lora))
         return tuple(out)
 
+    def _rebuilt(self, which: str, dtype: torch.dtype, in_place: bool) -> RebuiltWeight:
+        stack = getattr(self, which)
+        return RebuiltWeight(make=lambda experts, phase: stack.dequantize(dtype, experts, phase, in_place),
+                             keep=lambda together: self._keep(which, dtype, together),
+                             slot=(id(self), which), lora=self._lora(which, dtype), scale=self.scale)
+
+    def _keep(self, which: str, dtype: torch.dtype, together: bool) -> bool:
+        """The replay pin's decision for `which` in the replay running now (module docstring)."""
+        if self.pin is None:
+            return False
+        stack = getattr(self, which)
+        if together and which == "down":  # the row's decision, taken by gate_up in this same replay
+            kept = (id(self), "gate_up") in recompute.active_memo().slots
+        else:
+            whole = self.gate_up if together else stack
+            nbytes = whole.stack_numel() * dtype.itemsize
+            kept = self.pin.decide(self.name if together else stack.name, nbytes, stack.compute_device)
+        stack.stats.pinned += kept
+        return kept
+
 
 def frozen_stacks(model: nn.Module) -> dict[str, FrozenStack]:
-    """Every frozen stack of `model` by its name (also written into each stack's `name`)."""
-    stacks = {name: m for name, m in model.named_modules() if isinstance(m, FrozenStack)}
-    for name, stack in stacks.items():
-        stack.name = name
-    return stacks
+    """Every frozen stack of `model` by its name in the state dict."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FrozenStack)}
 
 
 def dequant_summary(model: nn.Module, steps: int) -> dict | None:

@@ -29,9 +29,6 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     vocab = Vocab.from_chars(payload["vocab"])
     model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts,
                         init_frozen=False)
-    if cfg.experts.offload == "cpu":
-        from .offload import attach_offload
-        attach_offload(model, device, cfg.experts.prefetch)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:

@@ -17,10 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import recompute
 from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
 from .dispatch import resolve_dispatch
-from .pool import MLPAux, PooledMLP
+from .experts import StackServices, build_stack, stack_services
+from .mlp import MLPAux, device_compute_dtype
+from .pool import PooledMLP
 from .router import Router
 
 
@@ -107,37 +110,57 @@ class Attention(nn.Module):
 
 
 class Row(nn.Module):
-    """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin."""
+    """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin. `checkpointed`:
+    recomputed in backward (row checkpointing, minagi/recompute.py)."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module]):
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module], checkpointed: bool = False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model)
         self.mlp = make_mlp()  # built after the attention: the order in which parameters draw from the seed
         self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.checkpointed = checkpointed
 
-    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool = False
+                ) -> tuple[Tensor, MLPAux]:
+        if self.checkpointed:
+            return recompute.checkpointed(self._forward, x_BTD, row, cache, dropless)
+        return self._forward(x_BTD, row, cache, dropless)
+
+    def _forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool) -> tuple[Tensor, MLPAux]:
         x_BTD = x_BTD + self.resid_drop(self.attn(self.attn_norm(x_BTD), row, cache))
         B, T, D = x_BTD.shape
-        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D))
+        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D), dropless=dropless)
         return x_BTD + self.resid_drop(y_ND.view(B, T, D)), aux
 
 
 class CharLM(nn.Module):
-    """Embedding, `n_rows` rows, final norm, head. `forward(idx, targets=None, cache=None) -> LMOutput`."""
+    """Embedding, `n_rows` rows, final norm, head.
+    `forward(idx, targets=None, cache=None, dropless=False) -> LMOutput`.
+
+    Built whole (`build_model` resolves the pieces for a device): `stacks`, the services each row's
+    expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
+    recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP).
+    `stager`: the offload stager the frozen stacks are staged by (None without offload).
+    """
 
     def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
-                 dense_width: int = 0, make_experts: Callable[[], nn.Module] | None = None):
+                 dense_width: int = 0, *, stacks: StackServices | None = None, checkpoint_rows: bool = False,
+                 count_reducer: Callable[[Tensor], Tensor] | None = None):
         super().__init__()
         self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
+        stacks = stacks if stacks is not None else StackServices()
+        self.stager = stacks.stager
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
-        if cfg.mlp == "pooled":  # make_experts: each pool's stack, if not the trainable default
-            mlp = lambda: PooledMLP(cfg.d_model, pool, path, make_experts() if make_experts else None)  # noqa: E731
-        else:
-            mlp = lambda: DenseMLP(cfg.d_model, dense_width or pool.dense_width)  # noqa: E731
+
+        def make_mlp(row: int) -> nn.Module:
+            if cfg.mlp != "pooled":
+                return DenseMLP(cfg.d_model, dense_width or pool.dense_width)
+            experts = build_stack(stacks, row, pool.n_experts, cfg.d_model, pool.d_expert)
+            return PooledMLP(cfg.d_model, pool, path, experts, count_reducer)
         self.embed_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        self.rows = nn.ModuleList(Row(cfg, mlp) for _ in range(cfg.n_rows))
+        self.rows = nn.ModuleList(Row(cfg, lambda i=i: make_mlp(i), checkpoint_rows) for i in range(cfg.n_rows))
         self.final_norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self._init_weights()
@@ -152,12 +175,14 @@ class CharLM(nn.Module):
             nn.init.normal_(row.attn.proj.weight, std=residual_std)
             row.mlp.reset_parameters(std=0.02, down_std=residual_std)
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> LMOutput:
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None,
+                dropless: bool = False) -> LMOutput:
+        """`dropless`: the pools compute every routed row whatever their capacity (writing)."""
         x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []
         for i, row in enumerate(self.rows):
-            x, row_aux = row(x, i, cache)
+            x, row_aux = row(x, i, cache, dropless)
             aux = aux + row_aux.loss
             routing.append(row_aux.counts)
         if cache is not None:
@@ -198,19 +223,26 @@ class CharLM(nn.Module):
 
 def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
-                init_frozen: bool = True) -> CharLM:
-    """Build on `device`, resolving dispatch `auto` once for it (bf16 compute on CUDA, fp32 elsewhere).
+                init_frozen: bool = True, checkpoint_rows: bool = False,
+                count_reducer: Callable[[Tensor], Tensor] | None = None,
+                log: Callable[[str], None] | None = None) -> CharLM:
+    """Build on `device`, resolving dispatch `auto` once for it (`mlp.device_compute_dtype`'s dtype).
 
     `compiled`: the model will run under torch.compile (some paths do not trace there).
     `experts`: with `frozen`, the pools hold frozen stacks (minagi/frozen.py), made on `device`
-    directly (a large pool is never built in fp32); `init_frozen` False leaves them to be loaded.
+    directly (a large pool is never built in fp32), given their pin policy and byte source by
+    `experts.stack_services`; `init_frozen` False leaves them to be loaded.
+    `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
     """
     device = torch.device(device)
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = resolve_dispatch(pool.dispatch, device, compute_dtype, compiled)
-    make_experts = None
-    if experts is not None and experts.frozen:
-        from .frozen import FrozenExpertStack
-        make_experts = lambda: FrozenExpertStack(pool.n_experts, cfg.d_model, pool.d_expert, experts,  # noqa: E731
-                                                 device, init=init_frozen)
-    return CharLM(cfg, pool, vocab_size, path, dense_width, make_experts).to(device)
+    path = resolve_dispatch(pool.dispatch, device, device_compute_dtype(device), compiled)
+    stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log)
+    model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
+                   count_reducer=count_reducer).to(device)
+    if stacks.stager is not None and log is not None:
+        homed = sum(s.stored_bytes() for row in stacks.stager.rows for s in row)
+        log(f"offload: {len(stacks.stager.rows)} rows of frozen stacks homed in "
+            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory ({homed / 2**30:.2f} GiB), staged to "
+            f"{device} {'with' if experts.prefetch else 'without'} prefetch"
+            + ("" if device.type == "cuda" else "; on the CPU this saves no memory"))
+    return model

@@ -2,34 +2,36 @@
 
 Shape legend: L rows, two stacks a row (gate_up, down), each a dict of NF4 tensors.
 
-`attach_offload(model, device)` gives every frozen stack of `model` (homed in pinned CPU memory by
-`experts.offload = "cpu"`) one `OffloadStager`. A stack asks the stager for its tensors whenever it
-dequantizes (forward, checkpoint replay, backward); the stager keeps two preallocated GPU slots:
-the row in use and the next one. When row i is fetched, row i+1 (forward) or i-1 (replay and
-backward run the rows in reverse) is copied into the other slot on a side stream, from pinned
-memory, while row i computes. Ordering is by CUDA events, not `record_stream`: the compute stream
-waits for a slot's copy before reading it, and the copy stream waits until the compute stream has
-finished reading a slot before overwriting it. Nothing depends on a hook after a row (a replay
-that stops early simply fetches again), and no autograd Function holds a staged tensor: what stays
-alive is the dequantized stack a matmul needs, never a slot.
+One `OffloadStager` serves a model. The model's builder registers each row's offloaded stacks with it
+as the row is built (`add_row`), in row order, and gives each stack the `StagedBytes` it returns: the
+stack's byte source. A stack asks its source for its tensors whenever it dequantizes (forward,
+checkpoint replay, backward); the stager keeps two preallocated GPU slots: the row in use and the
+next one. When row i is fetched, row i+1 (forward) or i-1 (replay and backward run the rows in
+reverse) is copied into the other slot while row i computes. The copies and their ordering are a
+`Copies`: on CUDA (`CudaCopies`) a side stream from pinned memory, ordered by events rather than
+`record_stream` — the compute stream waits for a slot's copy before reading it, and the copy stream
+waits until the compute stream has finished reading a slot before overwriting it; on the CPU
+(`InlineCopies`) each copy runs at once. Nothing depends on a hook after a row (a replay that stops
+early simply fetches again), and no autograd Function holds a staged tensor: what stays alive is the
+dequantized stack a matmul needs, never a slot.
 
 Figures per step (`take_stats`): bytes copied host to device, the time the compute stream waited
 for copies (the H2D time compute did not hide), and the slots' resident bytes.
 
-Writing reads fewer experts than a row holds: with `read_chosen` set (minagi/sampling.py decides),
-a stack's chosen experts are read straight from its pinned home by the dequant kernel, through a
-device alias of the host memory (`host_alias`: unified addressing, no copy call, no host sync), so
-only the chosen experts' bytes cross the bus and the step stays capturable in a CUDA graph.
+Writing reads fewer experts than a row holds: a dequant of chosen experts asked to read them in place
+(`StagedBytes.in_place`: the decoder's choice, minagi/sampling.py) reads them straight from the pinned
+homes through a device alias of the host memory (`host_alias`: unified addressing, no copy call, no
+host sync), so only the chosen experts' bytes cross the bus and the step stays capturable in a CUDA
+graph.
 """
 from __future__ import annotations
 
-import re
-from typing import Iterator
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["OffloadStager", "attach_offload", "host_alias", "offload_summary"]
+__all__ = ["Copies", "CudaCopies", "InlineCopies", "OffloadStager", "StagedBytes", "host_alias", "offload_summary"]
 
 # __cuda_array_interface__ type strings; bf16 has none, so it travels as int16 and is viewed back.
 _TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.float32: "<f4"}
@@ -64,131 +66,184 @@ def host_alias(home: Tensor, device: torch.device) -> Tensor:
     return alias.view(flat.dtype).view(home.shape)
 
 
+# ---------------------------------------------------------------------------- copies and their order
+
+class Copies(Protocol):
+    """How the stager's copies run and are ordered against compute, slot by slot."""
+
+    def released(self, slot: int) -> None:
+        """Compute has queued its last read of `slot` (its row is about to be overwritten)."""
+
+    def copy(self, slot: int, row: int, fill: Callable[[], None]) -> None:
+        """Run `fill` (the copies of `row` into `slot`) once compute has released the slot."""
+
+    def wait(self, slot: int) -> None:
+        """Make compute wait until `slot`'s copy is done, before it reads the slot."""
+
+    def take_ms(self) -> tuple[float, float | None]:
+        """(ms compute waited for copies, ms the copies took or None) since the last call."""
+
+
+class InlineCopies:
+    """The CPU's: each copy runs at once, in order; nothing to wait for."""
+
+    timing = False
+
+    def released(self, slot: int) -> None:
+        pass
+
+    def copy(self, slot: int, row: int, fill: Callable[[], None]) -> None:
+        fill()
+
+    def wait(self, slot: int) -> None:
+        pass
+
+    def take_ms(self) -> tuple[float, float | None]:
+        return 0.0, None
+
+
+class CudaCopies:
+    """Copies on a side stream from pinned memory, ordered against the compute stream by events (no
+    `record_stream`). With `timing` (benchmarks) each copy's own time is taken too."""
+
+    def __init__(self, device: torch.device, n_slots: int):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.copied = [torch.cuda.Event() for _ in range(n_slots)]  # the slot's copy is done
+        self.read = [torch.cuda.Event() for _ in range(n_slots)]    # compute is done with the slot
+        self.timing, self.waits, self.copies = False, [], []
+
+    def _compute(self):
+        return torch.cuda.current_stream(self.device)
+
+    def released(self, slot: int) -> None:
+        self.read[slot].record(self._compute())  # reads of the evicted row queued so far
+
+    def copy(self, slot: int, row: int, fill: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.read[slot])
+            timed = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.timing else None
+            if timed:
+                timed[0].record(self.stream)
+            fill()
+            self.copied[slot].record(self.stream)
+            if timed:
+                timed[1].record(self.stream)
+                self.copies.append(timed)
+
+    def wait(self, slot: int) -> None:
+        compute = self._compute()
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(self.copied[slot])
+        after.record(compute)
+        self.waits.append((before, after))  # after - before: how long compute stood waiting for the copy
+
+    def take_ms(self) -> tuple[float, float | None]:
+        copy_ms = None
+        if self.waits:
+            self.waits[-1][1].synchronize()
+        waited = sum(a.elapsed_time(b) for a, b in self.waits)
+        if self.copies:
+            self.copies[-1][1].synchronize()
+            copy_ms = sum(a.elapsed_time(b) for a, b in self.copies)
+        self.waits, self.copies = [], []
+        return waited, copy_ms
+
+
+# ---------------------------------------------------------------------------- the stager
+
+class StagedBytes:
+    """An offloaded stack's byte source: its row's slot on the compute device (`fetch`), or its pinned
+    homes as device tensors for a dequant of chosen experts that reads them in place (`in_place`)."""
+
+    def __init__(self, stager: "OffloadStager", row: int, index: int, stack):
+        self.stager, self.row, self.index, self.stack = stager, row, index, stack
+        self._aliases: dict[str, Tensor] | None = None
+
+    def fetch(self, phase: str | None) -> dict[str, Tensor]:
+        return self.stager.fetch(self.row, self.index, phase)
+
+    def in_place(self) -> dict[str, Tensor]:
+        if self._aliases is None:  # made once: the homes never move
+            self._aliases = {k: host_alias(t, self.stager.device) for k, t in self.stack.stored().items()}
+        return self._aliases
+
+
 class OffloadStager:
-    """Two GPU slots for L rows of frozen stacks; `fetch(stack, phase)` -> the stack's tensors on the GPU."""
+    """Slots on the compute device for L rows of offloaded stacks, registered row by row as the model
+    is built; `fetch(row, j, phase)` -> stack j of that row's tensors on the device."""
 
-    def __init__(self, rows: list[list], device: torch.device, prefetch: bool = True):
-        self.rows, self.device, self.prefetch = rows, torch.device(device), prefetch
-        self.row_of = {id(stack): (r, j) for r, stacks in enumerate(rows) for j, stack in enumerate(stacks)}
-        # Every row's stacks have the shapes of row 0's: one slot fits any row. Without prefetch, one slot.
-        n_slots = 2 if prefetch else 1
-        self.slots = [[{k: torch.empty_like(t, device=self.device) for k, t in s.stored().items()} for s in rows[0]]
-                      for _ in range(n_slots)]
-        self.slot_row: list[int | None] = [None] * n_slots
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.copied = [self._event(), self._event()]  # the slot's copy is done
-        self.read = [self._event(), self._event()]    # the compute stream is done with the slot
-        self.bytes_copied, self.waits = 0, []
-        self.timing, self.copies = False, []  # timing (benchmarks): each row copy's events on the copy stream
-        self.read_chosen = False  # writing: chosen experts read from the homes in place (`chosen_source`)
-        self._aliases: dict[int, dict[str, Tensor]] = {}
+    def __init__(self, device: torch.device, prefetch: bool = True, copies: Copies | None = None):
+        self.device, self.prefetch = torch.device(device), prefetch
+        self.n_slots = 2 if prefetch else 1  # without prefetch, one slot
+        self.copies = copies if copies is not None else (
+            CudaCopies(self.device, self.n_slots) if self.device.type == "cuda" else InlineCopies())
+        self.rows: list[list] = []
+        self.slots: list[list[dict[str, Tensor]]] = []  # made with the first row
+        self.slot_row: list[int | None] = [None] * self.n_slots
+        self.bytes_copied = 0
 
-    def _event(self, timing: bool = False):
-        return torch.cuda.Event(enable_timing=timing) if self.device.type == "cuda" else None
+    def add_row(self, stacks: list) -> list[StagedBytes]:
+        """Register the next row's offloaded stacks (in row order); their byte sources, in order.
+        Every row's stacks have the shapes of the first row's, so one slot fits any row."""
+        row = len(self.rows)
+        self.rows.append(list(stacks))
+        if row == 0:  # the slots, once (made here, not at a first use that may be under inference mode)
+            self.slots = [[{k: torch.empty_like(t, device=self.device) for k, t in s.stored().items()}
+                           for s in stacks] for _ in range(self.n_slots)]
+        return [StagedBytes(self, row, j, stack) for j, stack in enumerate(stacks)]
+
+    @property
+    def timing(self) -> bool:
+        return self.copies.timing
+
+    @timing.setter
+    def timing(self, on: bool) -> None:
+        self.copies.timing = on
 
     @property
     def resident_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for slot in self.slots for stack in slot for t in stack.values())
 
-    def fetch(self, stack, phase: str | None) -> dict[str, Tensor]:
-        row, j = self.row_of[id(stack)]
+    def fetch(self, row: int, index: int, phase: str | None) -> dict[str, Tensor]:
         slot = self._stage(row)
-        self._wait_for(slot)
+        self.copies.wait(slot)
         if self.prefetch:
-            ahead = row + 1 if phase in (None, "forward") else row - 1
+            ahead = row + 1 if phase in (None, "forward") else row - 1  # replay and backward run in reverse
             if 0 <= ahead < len(self.rows):
                 self._stage(ahead)
-        return self.slots[slot][j]
-
-    def chosen_source(self, stack) -> dict[str, Tensor]:
-        """The stack's homes as device tensors (aliases of the pinned memory, made once): a dequant of
-        chosen experts reads only their bytes from them, across the bus."""
-        if id(stack) not in self._aliases:
-            self._aliases[id(stack)] = {k: host_alias(t, self.device) for k, t in stack.stored().items()}
-        return self._aliases[id(stack)]
+        return self.slots[slot][index]
 
     def _stage(self, row: int) -> int:
         """The slot holding `row`, its copy issued if it was not there (evicting the other row)."""
         if row in self.slot_row:
             return self.slot_row.index(row)
-        current = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         empty = [s for s, r in enumerate(self.slot_row) if r is None]
         slot = empty[0] if empty else self._victim(row)
-        if current is not None:
-            self.read[slot].record(current)  # reads of the evicted row queued so far
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self.read[slot])
-                start = self._event(timing=True) if self.timing else None
-                if start is not None:
-                    start.record(self.copy_stream)
-                self._copy(row, slot)
-                self.copied[slot].record(self.copy_stream)
-                if start is not None:
-                    end = self._event(timing=True)
-                    end.record(self.copy_stream)
-                    self.copies.append((start, end))
-        else:
-            self._copy(row, slot)
+        self.copies.released(slot)
+        self.copies.copy(slot, row, lambda: self._fill(row, slot))
         self.slot_row[slot] = row
         return slot
 
     def _victim(self, row: int) -> int:
         """Evict the slot whose row is farther from `row` (the one the run has left behind)."""
-        return max(range(len(self.slots)), key=lambda s: abs(self.slot_row[s] - row))
+        return max(range(self.n_slots), key=lambda s: abs(self.slot_row[s] - row))
 
-    def _copy(self, row: int, slot: int) -> None:
+    def _fill(self, row: int, slot: int) -> None:
         for stack, target in zip(self.rows[row], self.slots[slot]):
             for key, home in stack.stored().items():
                 target[key].copy_(home, non_blocking=True)
                 self.bytes_copied += home.numel() * home.element_size()
 
-    def _wait_for(self, slot: int) -> None:
-        if self.copy_stream is None:
-            return
-        current = torch.cuda.current_stream(self.device)
-        before, after = self._event(timing=True), self._event(timing=True)
-        before.record(current)
-        current.wait_event(self.copied[slot])
-        after.record(current)
-        self.waits.append((before, after))  # after - before: how long compute stood waiting for the copy
-
     def take_stats(self) -> dict:
         """Since the last call: H2D bytes, the waited milliseconds (synchronizes), resident bytes."""
-        if self.waits:
-            self.waits[-1][1].synchronize()
-        waited = sum(a.elapsed_time(b) for a, b in self.waits)
+        waited, copy_ms = self.copies.take_ms()
         out = {"h2d_bytes": self.bytes_copied, "h2d_exposed_ms": waited, "resident_bytes": self.resident_bytes}
-        if self.copies:
-            self.copies[-1][1].synchronize()
-            out["h2d_copy_ms"] = sum(a.elapsed_time(b) for a, b in self.copies)
-        self.bytes_copied, self.waits, self.copies = 0, [], []
+        if copy_ms is not None:
+            out["h2d_copy_ms"] = copy_ms
+        self.bytes_copied = 0
         return out
-
-
-def _rows(model: torch.nn.Module) -> Iterator[tuple[int, list]]:
-    from .frozen import frozen_stacks
-    by_row: dict[int, list] = {}
-    for name, stack in frozen_stacks(model).items():
-        match = re.match(r"rows\.(\d+)\.", name)
-        if match and stack.offloaded:
-            by_row.setdefault(int(match.group(1)), []).append(stack)
-    for row in sorted(by_row):
-        yield row, by_row[row]
-
-
-def attach_offload(model: torch.nn.Module, device: torch.device, prefetch: bool = True) -> OffloadStager:
-    """One stager for every offloaded frozen stack of `model`, computing on `device`. On the CPU the
-    stacks are copied into the slots all the same (the path the CPU tests run; no memory is saved)."""
-    device = torch.device(device)
-    rows = [stacks for _, stacks in _rows(model)]
-    if not rows:
-        raise ValueError("experts.offload = \"cpu\" found no offloaded frozen stacks in the model "
-                         "(set experts.frozen = true)")
-    stager = OffloadStager(rows, device, prefetch)
-    for stacks in rows:
-        for stack in stacks:
-            stack.stager = stager
-    return stager
 
 
 def offload_summary(stager: OffloadStager | None, steps: int) -> dict | None:

@@ -3,16 +3,19 @@
 Shape legend:
   N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows.
 
-`forward(x_ND) -> (y_ND, MLPAux)`: the output, and what the caller needs of this call — the aux loss
-(balance term + z-loss, already weighted) and the routing counts. The pool keeps nothing from a call:
-counts are returned, so whoever runs the pool decides what counts (the trainer adds a training
-step's counts once, whatever recomputes the row; evaluation and writing drop them), and the aux-free
-bias moves only when the trainer calls `router.step_bias` after an optimizer step.
+`forward(x_ND, dropless=False) -> (y_ND, MLPAux)` (the MLP contract, minagi/mlp.py): the output, and
+what the caller needs of this call — the aux loss (balance term + z-loss, already weighted) and the
+routing counts. The pool keeps nothing from a call: counts are returned, so whoever runs the pool
+decides what counts (the trainer adds a training step's counts once, whatever recomputes the row;
+evaluation and writing drop them), and the aux-free bias moves only when the trainer calls
+`router.step_bias` after an optimizer step. Everything a call depends on is fixed when the pool is
+built (its dispatch path, its stack, the reducer of its balance counts) or passed to the call
+(`dropless`): nothing is set on it between calls.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -23,54 +26,30 @@ from . import recompute
 from .config import PoolConfig
 from .dispatch import RUNNERS, _bucket, make_plan  # noqa: F401  (_bucket re-exported)
 from .experts import ExpertStack
+from .mlp import MLPAux, RouteCounts, compute_dtype
 from .router import Router, balance_loss, routed_counts, z_loss
 
-__all__ = ["MLPAux", "PooledMLP", "RouteCounts", "_bucket"]
-
-
-class RouteCounts(NamedTuple):
-    """One pool call's routing, for the diagnostics and the aux-free bias."""
-    load_E: Tensor       # routed rows per expert before capacity, int64 (on the device)
-    dropped: Tensor | None  # rows dropped by capacity, int64 scalar on the device (None: uncapped)
-    chars: int           # characters routed
-    padded_rows: int     # rows the dispatch path computed (padding included)
-    path: str            # the dispatch path that ran
-
-
-class MLPAux(NamedTuple):
-    loss: Tensor                  # fp32 scalar, already weighted: add it to the training loss
-    counts: RouteCounts | None    # None for a dense MLP
-
-
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype matmuls run in: autocast's where it is on (bmm/grouped_mm get explicit casts)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+__all__ = ["PooledMLP", "_bucket"]
 
 
 class PooledMLP(nn.Module):
     """Top-k routed SwiGLU experts, built from a whole `[pool]` section and a resolved dispatch path.
 
     The balance term `balance_coef * E * sum_i f_i * P_i` uses f_i, the actual fraction of routed
-    rows of expert i (summed across ranks by `count_reducer` when set: DDP), and P_i, the mean
-    router probability.
+    rows of expert i (summed across ranks by `count_reducer` when given: DDP), and P_i, the mean
+    router probability. `experts`: the row's stack (minagi/experts.py `build_stack`), trainable by
+    default.
     """
 
-    # False sends the grouped path through the rectangle (every expert padded to the busiest).
-    grouped_dispatch: bool = True
-
-    def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None):
+    def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
+                 count_reducer: Callable[[Tensor], Tensor] | None = None):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
                              f"dispatch.resolve_dispatch); got {path!r}")
-        self.cfg, self.path = cfg, path
-        self.capacity_factor = cfg.capacity_factor  # writing sets 0 for its calls (minagi/sampling.py)
-        self.count_reducer: Callable[[Tensor], Tensor] | None = None
+        self.cfg, self.path, self.count_reducer = cfg, path, count_reducer
         router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias)
         # The stack is registered first: parameters() keeps the order of checkpoints of format 1.
-        # `experts`: another stack behind the same seam (a frozen one: minagi/frozen.py).
         self.experts = experts if experts is not None else ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
         self.router = router
         self.reset_parameters()
@@ -83,22 +62,22 @@ class PooledMLP(nn.Module):
         nn.init.normal_(self.router.weight, std=std)
         self.experts.reset_parameters(std, std if down_std is None else down_std)
 
-    def capacity(self, n_chars: int) -> int:
-        """Rows kept per expert: ceil(c * fair share); 0 = uncapped."""
-        if self.capacity_factor == 0:
+    def capacity(self, n_chars: int, dropless: bool = False) -> int:
+        """Rows kept per expert: ceil(c * fair share); 0 = uncapped (also whenever `dropless`)."""
+        if dropless or self.cfg.capacity_factor == 0:
             return 0
-        return math.ceil(self.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts)
+        return math.ceil(self.cfg.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts)
 
-    def path_for(self) -> str:
-        """The path a call takes: the built one, or the rectangle while `grouped_dispatch` is False."""
-        return "rectangle" if self.path == "grouped" and not PooledMLP.grouped_dispatch else self.path
-
-    def forward(self, x_ND: Tensor) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_ND: Tensor, dropless: bool = False, in_place: bool = False) -> tuple[Tensor, MLPAux]:
+        """`dropless`: compute every routed row whatever the capacity (writing: a character's output
+        must not depend on which others share the call). `in_place`: offloaded frozen stacks read the
+        experts this call multiplies from their pinned homes instead of staging the row (writing)."""
         routing = self.router(x_ND)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
-            gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)
-        y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK)
+            gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
+        y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
+                                            in_place=in_place)
         return y_ND, MLPAux(self.aux_loss(routing), counts)
 
     def aux_loss(self, routing) -> Tensor:
@@ -115,13 +94,14 @@ class PooledMLP(nn.Module):
         counts_E = routed_counts(routing.expert_ids_NK, self.cfg.n_experts)
         return counts_E if self.count_reducer is None else self.count_reducer(counts_E)
 
-    def experts_forward(self, x_ND: Tensor, expert_ids_NK: Tensor, gates_NK: Tensor,
-                        path: str | None = None) -> tuple[Tensor, RouteCounts]:
-        """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D]."""
-        path = path or self.path_for()
+    def experts_forward(self, x_ND: Tensor, expert_ids_NK: Tensor, gates_NK: Tensor, path: str | None = None,
+                        dropless: bool = False, in_place: bool = False) -> tuple[Tensor, RouteCounts]:
+        """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D].
+        `path`: another dispatch path than the built one (tests and benchmarks compare them)."""
+        path = path or self.path
         dtype = compute_dtype(x_ND)
-        plan = make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0]))
-        gate_up, down = self.experts.weights(dtype)
+        plan = make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0], dropless))
+        gate_up, down = self.experts.weights(dtype, in_place=in_place)
         stats: dict = {}
         y_ND = RUNNERS[path](x_ND.to(dtype), gates_NK.to(dtype), gate_up, down, plan, stats,
                              fused=self.cfg.swiglu == "auto")

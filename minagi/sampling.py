@@ -54,10 +54,9 @@ def default_prompt(vocab: Vocab) -> str:
     return "\n" if "\n" in vocab.chars else vocab.chars[0]
 
 
-def _stagers(model: CharLM | None) -> list:
-    from .frozen import frozen_stacks
-    stagers = [] if model is None else [s.stager for s in frozen_stacks(model).values() if s.stager is not None]
-    return list({id(s): s for s in stagers}.values())
+def _offloaded(model: CharLM | None) -> bool:
+    """Whether the model's frozen stacks are homed on the CPU and staged (an offload stager)."""
+    return model is not None and model.stager is not None
 
 
 def resolve_offload_read(choice: str, model: CharLM | None, streams: int = 1) -> str | None:
@@ -67,7 +66,7 @@ def resolve_offload_read(choice: str, model: CharLM | None, streams: int = 1) ->
     experts a row than the row holds (streams x top_k < n_experts), else rows (docs/benchmarks.md §12)."""
     if choice not in OFFLOAD_READS:
         raise SamplingError(f"offload_read must be one of {', '.join(OFFLOAD_READS)}; got {choice!r}")
-    if not _stagers(model):
+    if not _offloaded(model):
         return None
     if choice != "auto":
         return choice
@@ -84,7 +83,7 @@ def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = Non
     if choice == "on" and device.type != "cuda":
         raise SamplingError(f"graphs 'on' needs a CUDA device (CUDA graphs); writing runs on {device.type} "
                             f"here: use 'auto' or 'off'")
-    staged = offload_read == "rows" or (offload_read is None and bool(_stagers(model)))
+    staged = offload_read == "rows" or (offload_read is None and _offloaded(model))
     if choice == "on" and staged:
         raise SamplingError("graphs 'on': this model's frozen experts are offloaded and staged a row at a time "
                             "from the CPU, which a CUDA graph cannot replay: read the chosen experts in place "
@@ -164,20 +163,6 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
                   (expert_path, compiled, products))
 
 
-@contextlib.contextmanager
-def _reading(stagers: list, chosen: bool):
-    """Offloaded stacks read their chosen experts in place (`chosen`) or by rows for the calls inside;
-    entered per call, never across a `yield` (training between two characters stages rows)."""
-    before = [s.read_chosen for s in stagers]
-    for s in stagers:
-        s.read_chosen = chosen
-    try:
-        yield
-    finally:
-        for s, b in zip(stagers, before):
-            s.read_chosen = b
-
-
 def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
            seed: int, window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
            ) -> Iterator[list[str]]:
@@ -185,22 +170,18 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temp
         return
     B = len(ids)
     expert_path, compiled, products = step
-    stagers, chosen = _stagers(model), read == "experts"
-    with _reading(stagers, chosen):  # the capture records the step's reads
-        decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
-                          top_k=top_k, graphs=graphs, expert_path=expert_path, compiled=compiled, products=products)
+    decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
+                      top_k=top_k, graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                      read_in_place=read == "experts")
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     slides = _Slides([len(w) for w in windows], window, keep)
-    with _reading(stagers, chosen):
-        decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
-        decoder.prefill(list(range(B)), windows)
+    decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
+    decoder.prefill(list(range(B)), windows)
     for written in range(1, n_chars + 1):
-        with _reading(stagers, chosen):
-            decoder.advance()
+        decoder.advance()
         sliding = slides.tick() if written < n_chars else []
         if sliding:  # the newest character does not fit: restart on the last `keep`, on the device
-            with _reading(stagers, chosen):
-                decoder.slide(sliding)
+            decoder.slide(sliding)
         if written % sync_every == 0 or written == n_chars:
             # The step just queued runs on while the host reads the ones before it (all at the end).
             for row in decoder.read(lag=0 if written == n_chars else 1):
@@ -238,7 +219,7 @@ def _last_logits(model: CharLM, ids: list[int], device: torch.device, cache=None
     """Logits [V] (fp32, on `device`) for the character after `ids`; appends `ids` to `cache`."""
     idx_1T = torch.tensor([ids], dtype=torch.long, device=device)
     with inference(model, device):
-        logits_1TV = model(idx_1T, cache=cache).logits
+        logits_1TV = model(idx_1T, cache=cache, dropless=True).logits
     return logits_1TV[0, -1].float()
 
 

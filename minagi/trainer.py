@@ -4,7 +4,7 @@ The pieces, each on its own:
   the run folder            minagi/runlog.py `RunFolder`: run.json, history, last/best, the lock
   the training state        `TrainState`: step, best held-out, loss meters, routing counters (checkpointed
                             beside the model, optimizer, scheduler and RNG: `checkpoint_payload`)
-  the model and optimizer   `build_training`: model, DDP / compile / row checkpointing applied from outside
+  the model and optimizer   `build_training`: the model built whole, DDP / compile around its forward
   one training step         `train_step`
   one evaluation            `evaluate`
   the loop                  `Trainer.run`, which `train` builds and runs
@@ -45,10 +45,10 @@ from .config import Config, ConfigError, config_to_dict
 from .data import Vocab, batch_on, heldout_batches, load_corpus
 from .diagnostics import RoutingMeter, StepCounts, reduce_over_ranks, step_counts
 from .model import CharLM, build_model
-from .frozen import FrozenExpertStack, dequant_summary, frozen_stacks
+from .frozen import dequant_summary, frozen_stacks
 from .loading import init_from_checkpoint
-from .offload import OffloadStager, attach_offload, offload_summary
-from .recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
+from .offload import OffloadStager, offload_summary
+from .recompute import clear_stale_slots
 from .resume import check_same_corpus, corpus_summary, describe_corpus, open_checkpoint, resume_config
 from .runlog import HISTORY_FIELDS, RunFolder
 from .schedule import Schedule, as_function, lr_factor, planned_schedule
@@ -178,42 +178,27 @@ class Training:
 
 def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
                    init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
-    """The model, optimizer and schedule; row checkpointing, the replay pin, DDP and compile applied
-    from outside the model. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
+    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers), the
+    optimizer and schedule; DDP and compile wrap the training forward. `init_frozen` False: frozen
+    stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
-                        experts=cfg.experts, init_frozen=init_frozen)
+                        experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
+                        count_reducer=distributed.all_reduce_sum if world_size > 1 else None, log=log)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
-    stacks = frozen_stacks(model)
-    if tc.checkpoint_rows:
-        apply_row_checkpointing(model)
-        if stacks:
-            policy = PinPolicy(cfg.experts.replay_pin, int(cfg.experts.pin_floor_mib * 2**20), log=log)
-            for module in model.modules():
-                if isinstance(module, FrozenExpertStack):
-                    module.pin = policy
-    stager = None
-    if cfg.experts.offload == "cpu":
-        stager = attach_offload(model, device, cfg.experts.prefetch)
-        log(f"offload: {len(stager.rows)} rows of frozen stacks homed in "
-            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory "
-            f"({sum(s.stored_bytes() for s in stacks.values()) / 2**30:.2f} GiB), staged to {device} "
-            f"{'with' if cfg.experts.prefetch else 'without'} prefetch"
-            + ("" if device.type == "cuda" else "; on the CPU this saves no memory"))
     forward = model
     if world_size > 1:
-        distributed.install_count_reducers(model)
         # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
-        frozen_buffers = [f"{name}.{b}" for name, s in stacks.items() for b, _ in s.named_buffers()]
+        frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
         forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
     forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
-    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager)
 
 
 def restore_training(training: Training, ckpt: dict) -> str | None:

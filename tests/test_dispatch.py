@@ -169,21 +169,16 @@ def test_uncapped_drops_nothing():
     assert counts.dropped is None and counts.load_E.tolist() == counts_list(ids)
 
 
-def test_grouped_dispatch_false_uses_the_rectangle():
+def test_the_rectangle_pads_every_expert_to_the_busiest():
     pool = make_pool()
-    pool.path = "grouped"
     n_chars, bias = SCENARIOS["sink"]
     ids, gates = routing(n_chars, bias)
     x = torch.randn(n_chars, D)
-    try:
-        PooledMLP.grouped_dispatch = False
-        assert pool.path_for() == "rectangle"
-        _, counts = pool.experts_forward(x, ids, gates)
-    finally:
-        PooledMLP.grouped_dispatch = True
-    assert pool.path_for() == "grouped"
+    _, counts = pool.experts_forward(x, ids, gates, path="rectangle")
+    _, grouped = pool.experts_forward(x, ids, gates, path="grouped")
     busiest = torch.bincount(ids.flatten(), minlength=E).max().item()
     assert counts.path == "rectangle" and counts.padded_rows == E * busiest
+    assert grouped.path == "grouped" and grouped.padded_rows < counts.padded_rows
 
 
 def test_dispatch_is_resolved_once_for_the_device_dtype_and_compile():

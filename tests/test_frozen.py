@@ -10,11 +10,12 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from minagi import recompute
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
-from minagi.frozen import FrozenExpertStack, FrozenStack, dequant_summary, frozen_stacks
+from minagi.experts import StackServices
+from minagi.frozen import FrozenStack, dequant_summary, frozen_stacks
 from minagi.loading import init_from_checkpoint, load_trained
-from minagi.model import build_model
+from minagi.model import CharLM, build_model
 from minagi.nf4 import dequantize_nf4, quantize_nf4
-from minagi.recompute import PinPolicy, apply_row_checkpointing, clear_stale_slots
+from minagi.recompute import PinPolicy, clear_stale_slots
 from minagi.runlog import read_history
 from minagi.sampling import generate
 from minagi.trainer import resume_config, train
@@ -25,10 +26,21 @@ CFG = ModelConfig(n_rows=2, d_model=32, n_heads=2, context=16)
 FROZEN = ExpertsConfig(frozen=True, lora_rank=8, blocksize=32)
 
 
-def frozen_model(path="grouped", experts=FROZEN, seed=0):
+POOL = PoolConfig(n_experts=4, top_k=2, d_expert=32, z_loss_coef=1e-3)
+
+
+def frozen_model(path="grouped", experts=FROZEN, seed=0, pin: PinPolicy | str | None = None):
+    """A frozen model; `pin` (a policy, or a replay_pin mode with no floor) builds its rows checkpointed."""
     torch.manual_seed(seed)
-    model = build_model(CFG, PoolConfig(n_experts=4, top_k=2, d_expert=32, dispatch=path, z_loss_coef=1e-3), 11,
-                        "cpu", experts=experts)
+    pool = PoolConfig(**{**POOL.__dict__, "dispatch": path})
+    if pin is None:
+        model = build_model(CFG, pool, 11, "cpu", experts=experts)
+    elif isinstance(pin, str):
+        experts = ExpertsConfig(**{**experts.__dict__, "replay_pin": pin, "pin_floor_mib": 0.0})
+        model = build_model(CFG, pool, 11, "cpu", experts=experts, checkpoint_rows=True)
+    else:
+        model = CharLM(CFG, pool, 11, path, stacks=StackServices(experts, torch.device("cpu"), pin=pin),
+                       checkpoint_rows=True)
     with torch.no_grad():  # adapters that are not zero, so their gradients and outputs matter
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -51,21 +63,13 @@ def step(model, checkpointed=False):
     return out.loss.detach(), grads
 
 
-def set_pin(model, mode, **kwargs):
-    for m in model.modules():
-        if isinstance(m, FrozenExpertStack):
-            m.pin = PinPolicy(mode, **kwargs)
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_pin_and_recompute_give_the_plain_models_bits_with_3_then_2_dequants_per_stack_and_row(path):
     plain = frozen_model(path)
     want_loss, want = step(plain)
     counts = {"plain": dequant_summary(plain, 1)}
     for mode in ("off", "on"):
-        model = frozen_model(path)
-        apply_row_checkpointing(model)
-        set_pin(model, mode)
+        model = frozen_model(path, pin=mode)
         loss, grads = step(model)
         assert torch.equal(loss, want_loss), mode
         assert grads.keys() == want.keys() and any("lora_" in k for k in grads) and any("router" in k for k in grads)
@@ -149,9 +153,7 @@ def test_auto_pins_a_stack_from_the_floor_up_and_only_when_it_fits():
 
 
 def test_a_slot_no_backward_took_is_cleared_at_the_next_step():
-    model = frozen_model()
-    apply_row_checkpointing(model)
-    set_pin(model, "on")
+    model = frozen_model(pin="on")
     x, y = batch()
     with set_checkpoint_early_stop(False):
         out = model(x, y)
@@ -225,9 +227,9 @@ def test_a_frozen_run_resumes_exactly_and_writes(trained, monkeypatch):
     seen = []
     real = FrozenStack.dequantize
 
-    def spy(self, dtype, experts=None, phase=None):
+    def spy(self, dtype, experts=None, phase=None, in_place=False):
         seen.append(None if experts is None else experts.numel())
-        return real(self, dtype, experts, phase)
+        return real(self, dtype, experts, phase, in_place)
     monkeypatch.setattr(FrozenStack, "dequantize", spy)
     text = "".join(generate(model, vocab, "the ", 5, seed=1))
     assert len(text) == 5
@@ -254,3 +256,77 @@ def test_a_blocksize_experts_cannot_fill_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match=r"--set experts.blocksize: experts.blocksize = 4096 is impossible: an "
                                           r"expert's 32 x 32 weights must fill whole NF4 blocks"):
         load_config(None, ["model.d_model=32", "pool.d_expert=32", "experts.frozen=true", "experts.blocksize=4096"])
+
+
+# ------------------------------------------------------------------------------ the pin's rules
+
+class RecordingPolicy(PinPolicy):
+    """A pin policy that records what it is asked: (name, bytes) per decision."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked = []
+
+    def decide(self, name, nbytes, device):
+        self.asked.append((name, nbytes))
+        return super().decide(name, nbytes, device)
+
+
+def test_auto_off_cuda_measures_the_hosts_memory_and_pins_without_crashing():
+    # The seed's bug: a stack at or over the floor asked the CUDA driver for headroom on the CPU.
+    model = frozen_model(pin="auto")  # floor 0: every stack is over it
+    loss, grads = step(model)
+    want_loss, want = step(frozen_model())
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[k], want[k]) for k in want)
+    assert dequant_summary(model, 1)["pinned"] == 2 * CFG.n_rows
+    assert recompute.device_headroom(torch.device("cpu")) > 0
+
+
+def test_on_drops_the_floor_but_keeps_the_fit_check():
+    cpu = torch.device("cpu")
+    assert PinPolicy("on", floor_bytes=2**40, headroom=lambda d: 3 * 2**20).decide("s", 2**20, cpu)  # fits
+    assert not PinPolicy("on", headroom=lambda d: 2**20).decide("s", 2**20, cpu)  # 1 MiB < 2 x 1 MiB
+    assert PinPolicy("on", headroom=lambda d: None).decide("s", 2**40, cpu)  # unknown headroom: fits
+    assert not PinPolicy("auto", floor_bytes=2**21, headroom=lambda d: 2**40).decide("s", 2**20, cpu)  # floor
+    with pytest.raises(ValueError, match="auto, on or off"):
+        PinPolicy("sometimes")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_floor_and_fit_see_whole_stacks_one_decision_a_row_where_both_are_held_together(path):
+    policy = RecordingPolicy("auto", floor_bytes=0)
+    step(frozen_model(path, pin=policy))
+    gate_up, down = 4 * 32 * 64 * 4, 4 * 32 * 32 * 4  # whole stacks in fp32 (the CPU's compute dtype)
+    rows = [f"rows.{i}.mlp.experts" for i in reversed(range(CFG.n_rows))]  # replayed last row first
+    if path == "native":  # each projection decides alone, on its own whole stack
+        assert policy.asked == [(f"{r}.{w}", n) for r in rows for w, n in (("gate_up", gate_up), ("down", down))]
+    else:  # grouped, loop, rectangle: the row decides once, on gate_up's whole stack
+        assert policy.asked == [(r, gate_up) for r in rows]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_auto_gives_offs_bits_with_one_stack_pinned_and_another_recomputed_in_the_same_model(path):
+    queries = []
+
+    def headroom(device):  # room for the first decision only
+        queries.append(device)
+        return 2**40 if len(queries) == 1 else 0
+    want_loss, want = step(frozen_model(path, pin="off"))
+    model = frozen_model(path, pin=PinPolicy("auto", floor_bytes=0, headroom=headroom, cache_s=0.0))
+    loss, grads = step(model)
+    assert torch.equal(loss, want_loss) and grads.keys() == want.keys()
+    for name in want:
+        assert torch.equal(grads[name], want[name]), name
+    counts = dequant_summary(model, 1)
+    pinned = 2 if path != "native" else 1  # the first row replayed: both stacks together, or gate_up alone
+    assert counts["pinned"] == pinned and counts["backward"] == 2 * CFG.n_rows - pinned
+    assert not any(memo.slots for memo in list(recompute._LIVE))
+
+
+def test_a_set_replay_pin_beats_the_environment_variable(monkeypatch):
+    import train as train_py
+    monkeypatch.setenv("MINAGI_REPLAY_PIN", "1")
+    cfg, _ = train_py.resolve(train_py.parse_args(["--profile", "cpu_tiny"]))
+    assert cfg.experts.replay_pin == "on"
+    cfg, _ = train_py.resolve(train_py.parse_args(["--profile", "cpu_tiny", "--set", "experts.replay_pin=off"]))
+    assert cfg.experts.replay_pin == "off"

@@ -63,9 +63,13 @@ def test_loss_is_cross_entropy_and_aux_sums_the_rows():
     torch.manual_seed(0)
     model = build_model(CFG, POOL, vocab_size=9, device="cpu")
     idx, tgt = torch.randint(0, 9, (3, 12)), torch.randint(0, 9, (3, 12))
+    terms = []  # each row's own aux term, as its pool returned it
+    for pool in model.pools():
+        pool.register_forward_hook(lambda module, args, out: terms.append(out[1].loss.detach()))
     out = model(idx, tgt)
     torch.testing.assert_close(out.loss, torch.nn.functional.cross_entropy(out.logits.view(-1, 9), tgt.view(-1)))
-    assert out.aux_loss.item() > 0
+    assert len(terms) == CFG.n_rows >= 2 and all(t > 0 for t in terms) and not torch.equal(terms[0], terms[1])
+    torch.testing.assert_close(out.aux_loss.detach(), torch.stack(terms).sum())
     (out.loss + out.aux_loss).backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -113,3 +117,22 @@ def test_expert_dropout_drops_chosen_experts_in_training_only():
     assert torch.equal(dropped, again)  # the mask follows the RNG, which the trainer seeds per step and rank
     assert not torch.allclose(dropped, want)
     assert torch.equal(pool.eval()(x)[0], want)
+
+
+def test_expert_dropout_scales_the_kept_gates_by_one_over_one_minus_p():
+    from dataclasses import replace
+    from minagi.pool import PooledMLP
+    p = 0.5
+    torch.manual_seed(0)
+    pool = PooledMLP(16, replace(POOL, expert_dropout=p), "loop").train()
+    x = torch.randn(64, 16)
+    routing = pool.router(x)
+    torch.manual_seed(1)
+    mask_NK = (torch.nn.functional.dropout(torch.ones_like(routing.gates_NK), p) > 0).float()  # the draw the pool makes
+    torch.manual_seed(1)
+    y, _ = pool(x)
+    assert 0 < mask_NK.sum() < mask_NK.numel()
+    want, _ = pool.experts_forward(x, routing.expert_ids_NK, routing.gates_NK * mask_NK / (1 - p))
+    torch.testing.assert_close(y, want)
+    unscaled, _ = pool.experts_forward(x, routing.expert_ids_NK, routing.gates_NK * mask_NK)
+    assert not torch.allclose(y, unscaled)  # the kept experts' share is restored, as inverted dropout does

@@ -5,10 +5,8 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from minagi.config import ConfigError, ExpertsConfig, ModelConfig, PoolConfig, load_config
-from minagi.frozen import FrozenExpertStack, frozen_stacks
+from minagi.frozen import dequant_summary, frozen_stacks
 from minagi.model import build_model
-from minagi.offload import attach_offload
-from minagi.recompute import PinPolicy, apply_row_checkpointing
 
 CFG = ModelConfig(n_rows=3, d_model=32, n_heads=2, context=16)
 POOL = PoolConfig(n_experts=4, top_k=2, d_expert=32)
@@ -17,15 +15,17 @@ OFFLOADED = ExpertsConfig(frozen=True, blocksize=32, lora_rank=8, offload="cpu")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def build(experts, device="cpu", path="grouped", prefetch=True):
+def build(experts, device="cpu", path="grouped", prefetch=True, checkpoint_rows=False):
     torch.manual_seed(0)
-    model = build_model(CFG, PoolConfig(**{**POOL.__dict__, "dispatch": path}), 11, device, experts=experts)
+    experts = ExpertsConfig(**{**experts.__dict__, "prefetch": prefetch})
+    model = build_model(CFG, PoolConfig(**{**POOL.__dict__, "dispatch": path}), 11, device, experts=experts,
+                        checkpoint_rows=checkpoint_rows)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0, 0.1)
-    stager = attach_offload(model, device, prefetch) if experts.offload == "cpu" else None
-    return model, stager
+    assert (model.stager is not None) == (experts.offload == "cpu")
+    return model, model.stager
 
 
 def steps(model, n=2, checkpointed=False, device="cpu"):
@@ -64,14 +64,11 @@ def test_offloaded_stacks_give_the_resident_losses_and_gradients(path, prefetch)
 
 
 def test_under_row_checkpointing_with_the_pin_offload_keeps_the_bits():
-    resident, _ = build(RESIDENT)
-    offloaded, _ = build(OFFLOADED)
-    for model in (resident, offloaded):
-        apply_row_checkpointing(model)
-        for m in model.modules():
-            if isinstance(m, FrozenExpertStack):
-                m.pin = PinPolicy("on")
+    pinned = {"replay_pin": "on"}
+    resident, _ = build(ExpertsConfig(**{**RESIDENT.__dict__, **pinned}), checkpoint_rows=True)
+    offloaded, _ = build(ExpertsConfig(**{**OFFLOADED.__dict__, **pinned}), checkpoint_rows=True)
     assert_same(steps(offloaded), steps(resident))
+    assert dequant_summary(offloaded, 2)["pinned"] > 0
 
 
 def test_after_a_forward_one_row_is_resident_and_the_next_is_prefetched():
@@ -107,9 +104,7 @@ def test_offload_without_frozen_experts_is_a_one_line_error():
     with pytest.raises(ConfigError, match=r"experts\.offload = \"cpu\" is impossible: only frozen experts can be "
                                           r"offloaded: set experts\.frozen = true"):
         load_config(None, ["experts.offload=cpu"])
-    model = build_model(CFG, POOL, 11, "cpu")
-    with pytest.raises(ValueError, match="found no offloaded frozen stacks"):
-        attach_offload(model, "cpu")
+    assert build_model(CFG, POOL, 11, "cpu").stager is None
 
 
 @pytest.mark.gpu
@@ -150,10 +145,13 @@ def test_writing_reads_chosen_experts_in_place_or_stages_rows_and_either_way_wri
     assert by_experts == want == by_rows and len(want) == 20
     assert experts_bytes <= CFG.n_rows * row_bytes  # at most the prefill's rows: the steps read in place
     assert rows_bytes > 10 * CFG.n_rows * row_bytes  # every step stages its rows again
-    assert not stager.read_chosen  # writing is over: training stages rows again
+    # How a writer reads is its own argument, never a flag on the stager: training between two
+    # characters of a paused writer stages whole rows.
     chars = write(offloaded, vocab, ["abc"], 20, temperature=0, graphs="off", offload_read="experts")
     next(chars)
-    assert not stager.read_chosen  # set per call, never across a yield: a paused writer leaves it off
+    stager.take_stats()
+    steps(offloaded, 1)
+    assert stager.take_stats()["h2d_bytes"] >= CFG.n_rows * row_bytes
 
 
 def test_how_writing_reads_offloaded_experts_decides_whether_graphs_can_run():
@@ -190,3 +188,97 @@ def test_on_the_gpu_chosen_experts_read_from_pinned_memory_write_the_resident_te
     texts = ["".join(c[0] for c in write(m, vocab, ["abc"], 30, temperature=0, graphs="on", **kw))
              for m, kw in ((resident, {}), (offloaded, {"offload_read": "experts"}))]
     assert texts[0] == texts[1] and len(texts[0]) == 30
+
+
+class RecordingCopies:
+    """A stand-in for the CUDA streams (minagi.offload.Copies): runs each copy at once and records the
+    order of releases, copies and waits, as the compute and copy streams would see them."""
+
+    timing = False
+
+    def __init__(self):
+        self.log = []
+
+    def released(self, slot):
+        self.log.append(("release", slot))
+
+    def copy(self, slot, row, fill):
+        self.log.append(("copy", slot, row))
+        fill()
+
+    def wait(self, slot):
+        self.log.append(("wait", slot))
+
+    def take_ms(self):
+        return 0.0, None
+
+
+def _recording_model(checkpoint_rows=False):
+    from minagi.experts import StackServices
+    from minagi.model import CharLM
+    from minagi.offload import OffloadStager
+    copies = RecordingCopies()
+    stager = OffloadStager("cpu", prefetch=True, copies=copies)
+    fetch = stager.fetch
+
+    def logged_fetch(row, index, phase):
+        copies.log.append(("fetch", row, phase))
+        return fetch(row, index, phase)
+    stager.fetch = logged_fetch
+    torch.manual_seed(0)
+    model = CharLM(ModelConfig(n_rows=4, d_model=32, n_heads=2, context=16), POOL, 11, "grouped",
+                   stacks=StackServices(OFFLOADED, torch.device("cpu"), stager=stager), checkpoint_rows=checkpoint_rows)
+    return model, copies
+
+
+def _copies_after_fetches(log):
+    """(row copied, row of the fetch that issued it) for each copy."""
+    pairs, fetched = [], None
+    for event in log:
+        if event[0] == "fetch":
+            fetched = event[1]
+        elif event[0] == "copy":
+            pairs.append((event[2], fetched))
+    return pairs
+
+
+@pytest.mark.parametrize("checkpoint_rows", [False, True], ids=["plain", "checkpointed"])
+def test_the_stager_prefetches_the_next_row_forward_and_the_previous_backward_and_orders_every_copy(checkpoint_rows):
+    model, copies = _recording_model(checkpoint_rows)
+    x, y = (torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    with set_checkpoint_early_stop(False):
+        out = model(x, y)
+        forward_log, copies.log = copies.log, []
+        (out.loss + out.aux_loss).backward()
+    backward_log = copies.log
+    # Forward: row 0 staged by its own fetch, then each row's fetch prefetches the row after it.
+    assert _copies_after_fetches(forward_log) == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    # Backward (the replays too) runs the rows in reverse: each fetch prefetches the row before it,
+    # so no row is staged by its own fetch.
+    pairs = _copies_after_fetches(backward_log)
+    assert pairs and all(copied == fetched - 1 for copied, fetched in pairs), pairs
+    assert {phase for e in backward_log if e[0] == "fetch" for phase in [e[2]]} == (
+        {"replay", "backward"} if checkpoint_rows else {"backward"})
+    for log in (forward_log, backward_log):
+        for i, event in enumerate(log):
+            if event[0] == "copy":  # a copy overwrites a slot only once compute has released it
+                assert log[i - 1] == ("release", event[1]), log
+        # every fetch makes compute wait on its slot's copy before it reads the slot
+        fetches = sum(e[0] == "fetch" for e in log)
+        assert [e[0] for e in log if e[0] in ("fetch", "wait")] == ["fetch", "wait"] * fetches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_an_offloaded_model_holds_its_stacks_in_pinned_host_memory_not_on_the_device():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offloaded, stager = build(OFFLOADED, "cuda", path="native")
+    homed = sum(s.stored_bytes() for s in frozen_stacks(offloaded).values())
+    on_device = torch.cuda.memory_allocated() - before
+    assert all(t.device.type == "cpu" and t.is_pinned() for s in frozen_stacks(offloaded).values()
+               for t in s.stored().values())
+    row = homed // CFG.n_rows
+    assert on_device < homed - row  # the slots hold two rows of three; the homes are on the host
+    resident, _ = build(RESIDENT, "cuda", path="native")
+    assert torch.cuda.memory_allocated() - before - on_device >= homed  # resident: every stack on the device

@@ -13,7 +13,7 @@ from minagi import distributed
 from minagi.config import ModelConfig, PoolConfig
 from minagi.diagnostics import RoutingMeter, step_counts
 from minagi.model import build_model
-from minagi.recompute import apply_row_checkpointing, remember
+from minagi.recompute import remember
 
 CFG = ModelConfig(n_rows=3, d_model=32, n_heads=2, context=16)
 POOL = PoolConfig(n_experts=6, top_k=2, d_expert=24, aux_free_bias=True, z_loss_coef=1e-3)
@@ -25,8 +25,8 @@ def model_pair(path: str = "grouped", pool: PoolConfig = POOL):
     torch.manual_seed(0)
     plain = build_model(CFG, PoolConfig(**{**pool.__dict__, "dispatch": path}), 13, "cpu")
     torch.manual_seed(0)
-    checkpointed = build_model(CFG, PoolConfig(**{**pool.__dict__, "dispatch": path}), 13, "cpu")
-    assert apply_row_checkpointing(checkpointed) == CFG.n_rows
+    checkpointed = build_model(CFG, PoolConfig(**{**pool.__dict__, "dispatch": path}), 13, "cpu", checkpoint_rows=True)
+    assert all(row.checkpointed for row in checkpointed.rows) and not any(row.checkpointed for row in plain.rows)
     return plain, checkpointed
 
 
@@ -113,15 +113,14 @@ def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> No
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=world_size)
     try:
-        _, model = model_pair()
         calls = []
 
         def counting_reducer(t):
             calls.append(t.shape)
             return distributed.all_reduce_sum(t)
 
-        for pool in model.pools():
-            pool.count_reducer = counting_reducer
+        torch.manual_seed(0)
+        model = build_model(CFG, POOL, 13, "cpu", checkpoint_rows=True, count_reducer=counting_reducer)
         x, y = batch(seed=10 + rank)
         with set_checkpoint_early_stop(False):
             forwards = 2

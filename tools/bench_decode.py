@@ -39,7 +39,6 @@ from minagi.decode import Decoder, auto_grouped  # noqa: E402
 from minagi.devices import host_syncs  # noqa: E402
 from minagi.frozen import frozen_stacks  # noqa: E402
 from minagi.model import CharLM, build_model  # noqa: E402
-from minagi.offload import attach_offload  # noqa: E402
 from minagi.sampling import generate, write  # noqa: E402
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -74,13 +73,11 @@ def make_model(args: argparse.Namespace, device: torch.device) -> tuple[CharLM, 
     vocab = Vocab.from_text(chars[:max(args.vocab, len(set(PROMPT)))])
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts)
-    if cfg.experts.offload == "cpu":
-        attach_offload(model, device, cfg.experts.prefetch)
     return model.eval(), vocab
 
 
 def offloaded(model: CharLM) -> bool:
-    return any(s.stager is not None for s in frozen_stacks(model).values())
+    return model.stager is not None
 
 
 def nf4_bytes(model: CharLM, streams: int) -> tuple[int, int]:
