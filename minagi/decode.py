@@ -51,6 +51,7 @@ from .decode_step import MLPWeights
 from .dense import DenseMLP
 from .dispatch import host_to_device
 from .devices import autocast
+from .mlp import device_compute_dtype
 from .experts import ExpertStack
 from .gumbel import gumbel_noise, pick, stream_keys
 from .model import CharLM
@@ -143,7 +144,7 @@ class Decoder:
         self.keep = default_keep(window) if keep is None else keep
         self.temperature, self.top_k = temperature, top_k
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what autocast computes in
+        self.dtype = device_compute_dtype(device)  # what autocast computes in
         B, W, V = len(seeds), window, model.vocab_size
         self.n_streams = B
         self.chunk = max(16, min(256, _NOISE_ELEMENTS // (B * V)))

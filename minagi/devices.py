@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .mlp import device_compute_dtype
+
 __all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
            "device_name", "host_syncs", "memory_stats", "rss_bytes"]
 
@@ -118,9 +120,10 @@ def device_name(device: torch.device) -> str:
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on the GPU; plain fp32 on the CPU (CPU bf16 is slow and changes the golden run)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """Autocast to the compute dtype (`mlp.device_compute_dtype`: bf16 on the GPU); plain fp32 on the CPU."""
+    dtype = device_compute_dtype(device)
+    if dtype != torch.float32:
+        return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 
