@@ -3,37 +3,32 @@
 Every path computes the same function; they differ only in how rows are padded:
   loop      — one expert at a time, no padding. The readable reference.
   native    — torch's grouped GEMM on the packed rows, no padding, offsets stay on the device.
-  grouped   — experts grouped by load rounded with `_bucket`; one bmm pair per group.
-  rectangle — every expert padded to the busiest one's load (the old path; one bmm pair).
+  grouped   — a card layer: every expert at one capacity C, the whole stack multiplied at once (no
+              weight gather); and overflow groups for the rows past C of busier experts (a sink),
+              their weights gathered. C is chosen per call, on the host, to cost least in padded rows
+              plus gathered experts (`layered_layout`); capacities are rounded by `round_capacity`.
+  rectangle — every expert padded to the busiest one's load (the old path; a card layer alone).
 
 Weights come from the pool's expert stack (minagi/experts.py): tensors, or frozen stacks' rebuilt
-weights; the runners only ever multiply through minagi/mm.py's `grouped_mm` and `group_bmm`.
+weights; the runners only ever multiply through minagi/mm.py (`grouped_mm`, `layered_bmm`, `group_bmm`).
 
 Shape legend:
   N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows,
-  P padded rows (grouped / rectangle), G experts in a group, C a group's capacity,
-  I the rows a gather writes (R or P), S the rows it reads from.
+  P padded rows (grouped / rectangle), G experts in a group, C a layer's capacity,
+  I the rows a gather writes (R or P), S the rows it reads from (or the segments of a layout).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .mm import GROUPED_MM, Weight, group_bmm, grouped_mm
+from .mm import GROUPED_MM, Weight, group_bmm, grouped_mm, layered_bmm
 from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "rectangle", "loop")
-
-
-def _bucket(n: int) -> int:
-    """Round a load up: powers of two up to 128, then multiples of 128 (few allocator sizes)."""
-    if n <= 0:
-        return 0
-    if n <= 128:
-        return 1 << (n - 1).bit_length()
-    return -(-n // 128) * 128
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -223,7 +218,7 @@ def gather_sum(src_SD: Tensor, index_flat: Tensor, top_k: int, masked: bool) -> 
 # `fused`: the SwiGLU may use minagi's Triton kernels where they run (minagi/swiglu.py).
 
 def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-             stats: dict, fused: bool = True) -> Tensor:
+             stats: dict, fused: bool = True, layout: "Layout | None" = None) -> Tensor:
     """The reference: one expert at a time over its kept rows (each its own group of one); dropped
     rows get zeros; eager SwiGLU ops."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
@@ -247,7 +242,7 @@ def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan
 
 
 def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-               stats: dict, fused: bool = True) -> Tensor:
+               stats: dict, fused: bool = True, layout: "Layout | None" = None) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     offs_E = plan.ends_E.to(torch.int32)
@@ -256,83 +251,164 @@ def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     return combine(grouped_mm(swiglu(h_RF2, gate_R, fused), down, offs_E), plan)
 
 
-def group_by_bucket(kept_counts: list[int]) -> list[tuple[int, list[int]]]:
-    """[(capacity C, experts)] with C = _bucket(load), empty experts left out, largest C first."""
+# ---------------------------------------------------------------- the padded paths' layout
+
+# What gathering one overflow expert costs (its weights copied in forward and again in backward, its
+# gradient added back into the card's), in padded rows of that expert it could have computed instead:
+# ~14 I x O bytes against 6 I x O FLOPs a row, at the ~150 FLOP/byte of the cards this path serves.
+GATHER_ROWS = 256
+
+
+def round_capacity(n: int) -> int:
+    """A capacity for `n` rows: powers of two up to 16, then 8 steps a power of two (at most 12.5%
+    padding, few sizes for the allocator). 0 stays 0."""
+    if n <= 16:
+        return 0 if n <= 0 else 1 << (n - 1).bit_length()
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
+def _round_capacities(n: np.ndarray) -> np.ndarray:
+    """`round_capacity` of each element of an int array."""
+    n = np.asarray(n, dtype=np.int64)
+    bits = np.where(n > 1, np.ceil(np.log2(np.maximum(n, 1))), 0).astype(np.int64)  # 2^(bits-1) < n <= 2^bits
+    step = np.left_shift(1, np.maximum(bits - 4, 0))
+    rounded = np.where(n <= 16, np.left_shift(1, bits), -(-n // step) * step)
+    return np.where(n > 0, rounded, 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each expert's kept rows go in the padded buffer, decided on the host (after the call's sync).
+
+    The card layer: every expert at capacity `card`, multiplied as the whole stack at once (no weight
+    gather; 0 = no card layer). Overflow groups: (capacity, experts) for the rows past `card` of
+    experts with more (a sink), their weights gathered."""
+    kept: tuple[int, ...]                         # kept rows per expert
+    card: int
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def padded_rows(self) -> int:
+        return len(self.kept) * self.card + sum(cap * len(members) for cap, members in self.groups)
+
+
+def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS) -> Layout:
+    """The card capacity that costs least — padded rows, plus `gather_rows` for each overflow expert —
+    over the rounded loads (and no card layer at all), and the overflow grouped by rounded size.
+    `gather_rows` None: no card layer (a stack that makes only the experts it is asked for: frozen)."""
+    loads = np.asarray(kept, dtype=np.int64)
+    cards = np.unique(np.concatenate([[0], _round_capacities(loads[loads > 0]) if gather_rows is not None else []]))
+    gather_rows = gather_rows or 0
+    over_ME = loads[None, :] - cards[:, None]
+    spill_ME = over_ME > 0
+    cost_M = (len(loads) * cards + np.where(spill_ME, _round_capacities(np.maximum(over_ME, 0)), 0).sum(1)
+              + gather_rows * spill_ME.sum(1))
+    card = int(cards[int(np.argmin(cost_M))])
     groups: dict[int, list[int]] = {}
-    for e, n in enumerate(kept_counts):
-        if n > 0:
-            groups.setdefault(_bucket(n), []).append(e)
-    return sorted(groups.items(), reverse=True)
+    for e, n in enumerate(kept):
+        if n > card:
+            groups.setdefault(round_capacity(n - card), []).append(e)
+    return Layout(tuple(kept), card, tuple((cap, tuple(m)) for cap, m in sorted(groups.items(), reverse=True)))
+
+
+def host_layout(path: str, plan: DispatchPlan, gather_rows: int | None = GATHER_ROWS) -> Layout | None:
+    """The layout a padded path runs (grouped: `layered_layout`; rectangle: every expert at the
+    busiest one's load): the call's one host sync, as the bmm shapes must be known to launch them.
+    None for the paths that need none (native: offsets stay on the device; loop: its own).
+    `gather_rows`: what taking an expert out of the stack costs (the stack's own figure)."""
+    if path not in ("grouped", "rectangle"):
+        return None
+    kept = plan.kept_counts_E.tolist()
+    if path == "rectangle":
+        return Layout(tuple(kept), max(kept), ())
+    return layered_layout(kept, gather_rows)
+
+
+def _segments(layout: Layout) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Host lists of the padded buffer's segments (one per expert of a layer) — expert, first row within
+    the expert, rows it holds, capacity — and each expert's overflow segment's start in the buffer."""
+    E, card = len(layout.kept), layout.card
+    expert = list(range(E)) if card else []
+    first, valid, cap = [0] * len(expert), [min(n, card) for n in layout.kept] if card else [], [card] * len(expert)
+    overflow_start, start = [0] * E, E * card
+    for capacity, members in layout.groups:
+        for e in members:
+            expert.append(e)
+            first.append(card)
+            valid.append(layout.kept[e] - card)
+            cap.append(capacity)
+            overflow_start[e] = start
+            start += capacity
+    return expert, first, valid, cap, overflow_start
+
+
+def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(src_P: the sorted row each padded slot reads, valid_P: whether it holds one, dest_R: the slot
+    of each sorted routed row, -1 when dropped by capacity). No host sync: the layout is on the host."""
+    expert, first, valid, cap, overflow_start = _segments(layout)
+    n_seg, E, P = len(expert), len(layout.kept), layout.padded_rows
+    expert_S, first_S, valid_S, cap_S, over_E = host_to_device(expert + first + valid + cap + overflow_start,
+                                                               device).split([n_seg] * 4 + [E])
+    pad_start_S = cap_S.cumsum(0) - cap_S
+    seg_P = torch.repeat_interleave(torch.arange(n_seg, device=device), cap_S, output_size=P)
+    slot_pos_P = torch.arange(P, device=device) - pad_start_S[seg_P]
+    valid_P = slot_pos_P < valid_S[seg_P]
+    src_P = torch.where(valid_P, plan.starts_E[expert_S][seg_P] + first_S[seg_P] + slot_pos_P, 0)
+    position_R = torch.arange(plan.expert_R.shape[0], device=device) - plan.starts_E[plan.expert_R]
+    dest_R = torch.where(position_R < layout.card, plan.expert_R * layout.card + position_R,
+                         over_E[plan.expert_R] + position_R - layout.card)
+    if plan.kept_R is not None:
+        dest_R = torch.where(plan.kept_R, dest_R, -1)
+    return src_P, valid_P, dest_R
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-               groups: list[tuple[int, list[int]]], kept_rows: int, stats: dict, fused: bool = True) -> Tensor:
-    """Run groups of experts as bmm pairs, each group padded to its own capacity.
+               layout: Layout, stats: dict, fused: bool = True) -> Tensor:
+    """Run a layout's card layer and overflow groups as bmm pairs (`mm.layered_bmm`).
 
-    The rows of all groups live in one flat padded buffer [P, D]; each group's expert weights are
-    gathered for it (`group_bmm`), and their gradients written straight into the card's.
-    Characters are gathered straight into the padded buffer and summed straight out of it (no
-    intermediate [R, D] in expert order). Padding slots read character 0 and their outputs are
-    never read back, so they send no gradient.
+    The rows of every layer live in one flat padded buffer [P, D]. Characters are gathered straight
+    into it and summed straight out of it (no intermediate [R, D] in expert order). Padding slots read
+    character 0 and their outputs are never read back, so they send no gradient.
     """
-    device = x_ND.device
-    experts = [e for _, members in groups for e in members]
-    caps = [c for c, members in groups for _ in members]
-    if not experts:  # every row dropped or no rows at all
-        stats["padded_rows"] = 0
+    P, E = layout.padded_rows, len(layout.kept)
+    stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
+    if sum(layout.kept) == 0:  # every row dropped or no rows at all
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
-    padded = sum(caps)
-    n_experts, n_grouped = plan.counts_E.shape[0], len(experts)
-    group_of = [-1] * n_experts       # each expert's place in the grouped order (-1: in no group)
-    for i, e in enumerate(experts):
-        group_of[e] = i
-    perm_G, caps_G, group_of_E = host_to_device(experts + caps + group_of, device).split(
-        [n_grouped, n_grouped, n_experts])
-    pad_start_G = caps_G.cumsum(0) - caps_G
-    # Which sorted row feeds each padded slot.
-    slot_expert_P = torch.repeat_interleave(torch.arange(len(experts), device=device), caps_G, output_size=padded)
-    slot_pos_P = torch.arange(padded, device=device) - pad_start_G[slot_expert_P]
-    valid_P = slot_pos_P < plan.kept_counts_E[perm_G][slot_expert_P]
-    src_P = torch.where(valid_P, plan.starts_E[perm_G][slot_expert_P] + slot_pos_P, 0)
-    # Which padded slot holds each routed row's output (-1: dropped by capacity, reads zero).
-    position_R = torch.arange(plan.expert_R.shape[0], device=device) - plan.starts_E[plan.expert_R]
-    dest_R = pad_start_G.index_select(0, group_of_E[plan.expert_R].clamp(min=0)) + position_R
+    src_P, valid_P, dest_R = _slots(plan, layout, x_ND.device)
     dropped = plan.kept_R is not None
-    if dropped:
-        dest_R = torch.where(plan.kept_R, dest_R, -1)
     slot_flat = dest_R.index_select(0, plan.inverse_R)      # [N*K] in character order
     token_P = plan.token_R.index_select(0, src_P)            # the character each slot reads
-    padding = padded > kept_rows
+    padding = P > sum(layout.kept)
     token_or_none_P = torch.where(valid_P, token_P, -1) if padding else token_P  # padding gets no gradient
 
     x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
     gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
-    sizes = [len(members) for _, members in groups]
-    covers_all = n_grouped == n_experts  # else experts in no group get a zero gradient
     # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
-    slots = [cap * g for (cap, _), g in zip(groups, sizes)]
-    shapes = [(g, cap) for (cap, _), g in zip(groups, sizes)]
-    x_groups = [x.view(g, cap, -1) for x, (g, cap) in zip(x_PD.split(slots), shapes)]
-    h_groups = group_bmm(x_groups, gate_up, perm_G, sizes, covers_all)                       # [G, C, 2F]
-    act_groups = [swiglu(h, gate.view(g, cap), fused) for h, gate, (g, cap) in zip(h_groups, gate_P.split(slots), shapes)]
-    outputs = [y.view(g * cap, -1) for y, (g, cap) in zip(group_bmm(act_groups, down, perm_G, sizes, covers_all), shapes)]
-    stats["padded_rows"] = padded
+    shapes = [(E, layout.card)] + [(len(m), cap) for cap, m in layout.groups]
+    experts_G = host_to_device([e for _, m in layout.groups for e in m], x_ND.device)
+    sizes = [len(m) for _, m in layout.groups]
+    width = x_PD.shape[-1]
+    x_card, *x_groups = (x.view(g, c, width) for x, (g, c) in zip(x_PD.split([g * c for g, c in shapes]), shapes))
+    gates = [gate.view(g, c) for gate, (g, c) in zip(gate_P.split([g * c for g, c in shapes]), shapes)]
+    h_card, h_groups = layered_bmm(x_card, x_groups, gate_up, experts_G, sizes)                 # [g, C, 2F]
+    act_card, *act_groups = (swiglu(h, gate, fused) for h, gate in zip([h_card, *h_groups], gates))
+    y_card, y_groups = layered_bmm(act_card, act_groups, down, experts_G, sizes)                # [g, C, D]
+    outputs = [y.view(-1, y.shape[-1]) for y in (y_card, *y_groups)]
     y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
 
 
-def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True):
-    # One host sync: group shapes must be known to launch the bmms.
-    kept = plan.kept_counts_E.tolist()
-    groups = group_by_bucket(kept)
-    stats["groups"] = len(groups)
-    return run_padded(x_ND, gates_NK, gate_up, down, plan, groups, sum(kept), stats, fused)
+def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True, layout: Layout | None = None):
+    """The card layer and overflow groups of `layered_layout` (made here unless given: one host sync)."""
+    layout = layout if layout is not None else host_layout("grouped", plan)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, fused)
 
 
-def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True):
-    kept = plan.kept_counts_E.tolist()
-    groups = [(max(kept), list(range(len(kept))))] if max(kept) > 0 else []
-    return run_padded(x_ND, gates_NK, gate_up, down, plan, groups, sum(kept), stats, fused)
+def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True, layout: Layout | None = None):
+    """Every expert padded to the busiest one's load: one card layer, no overflow (the old path)."""
+    layout = layout if layout is not None else host_layout("rectangle", plan)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, fused)
 
 
 RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}

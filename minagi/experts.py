@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .config import ExpertsConfig
+from .dispatch import GATHER_ROWS
 from .frozen import FrozenExpertStack
 from .offload import OffloadStager
 from .recompute import PinPolicy
@@ -37,6 +38,10 @@ __all__ = ["ExpertStack", "StackServices", "build_stack", "stack_services"]
 
 class ExpertStack(nn.Module):
     """Trainable SwiGLU experts held stacked: gate_up [E, D, 2F] (gate half, then up half), down [E, F, D]."""
+
+    # What taking some experts out of the stack costs against multiplying the whole card, in padded
+    # rows an expert (the grouped path's layout weighs it: minagi/dispatch.py `layered_layout`).
+    gather_rows = GATHER_ROWS
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int):
         super().__init__()

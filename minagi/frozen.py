@@ -208,6 +208,9 @@ class FrozenExpertStack(nn.Module):
     """A pool's experts, frozen: gate_up [E, D, 2F] and down [E, F, D] as `FrozenStack`s, and with
     `lora_rank` > 0 trainable adapters: W + (alpha / r) A B per expert, B starting at zero.
 
+    A dequant makes only the experts it is asked for, so the grouped path multiplies a frozen stack by
+    the experts it routes to and never makes idle ones: no card layer (`gather_rows` None).
+
     Built by minagi/experts.py `build_stack` with what it depends on: `pin` (the replay pin policy,
     under row checkpointing; None: never pin), `stager` (experts.offload = "cpu": the row's stacks are
     registered with it and read through it), `name` (its place in the model), `init` (False: the
@@ -217,6 +220,7 @@ class FrozenExpertStack(nn.Module):
                  *, init: bool = True, pin: recompute.PinPolicy | None = None, stager=None, name: str = "experts"):
         super().__init__()
         self.cfg, self.initialise, self.pin, self.name = cfg, init, pin, name
+        self.gather_rows = None
         self.gate_up = FrozenStack((n_experts, d_model, 2 * d_expert), cfg, device, name=f"{name}.gate_up")
         self.down = FrozenStack((n_experts, d_expert, d_model), cfg, device, name=f"{name}.down")
         if stager is not None:

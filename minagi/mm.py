@@ -4,8 +4,11 @@ down into, and that calls nothing above it.
 Shape legend: E experts, I a stack's input width, O its output width, R routed rows (packed by
 expert), G experts in a group, C a group's capacity, S chosen experts, r the LoRA rank.
 
-Two matmuls, each on a stacked weight [E, I, O]:
+Three matmuls, each on a stacked weight [E, I, O]:
   grouped_mm(x_RI, w, offs_E)                     rows of expert e (offs_E[e-1]:offs_E[e]) times W_e
+  layered_bmm(x_ECI, x_groups, w, experts_G, ...) the whole card at one capacity, x [E, C, I] bmm W (no
+                                                  gather), and overflow groups: x_g [g, C_g, I] bmm
+                                                  W[group] (those experts' weights gathered)
   group_bmm(x_groups, w, experts_G, sizes, ...)   per group of experts: x_g [g, C, I] bmm W[group]
 A weight is a tensor (a trainable stack, its gradient flowing back into it) or a `RebuiltWeight`: a
 stack that is never kept, made again at each use (a frozen NF4 stack dequantized), with an optional
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from . import recompute
 
-__all__ = ["GROUPED_MM", "RebuiltWeight", "Weight", "group_bmm", "grouped_mm"]
+__all__ = ["GROUPED_MM", "RebuiltWeight", "Weight", "group_bmm", "grouped_mm", "layered_bmm"]
 
 # torch >= 2.10 exposes F.grouped_mm; 2.8-2.9 only torch._grouped_mm. Both take (a_2D, b_3D, offs=int32).
 GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -68,6 +71,92 @@ def group_bmm(x_groups: list[Tensor], weight: Weight, experts_G: Tensor, sizes: 
     low = _bmm_gathered(_bmm_gathered(x_groups, a_EIr, experts_G, sizes, covers_all), b_ErO, experts_G, sizes,
                         covers_all)
     return [y + weight.scale * d for y, d in zip(ys, low)]
+
+
+def layered_bmm(x_ECI: Tensor, x_groups: list[Tensor], weight: Weight, experts_G: Tensor,
+                sizes: list[int]) -> tuple[Tensor, list[Tensor]]:
+    """(x_ECI bmm W: the card layer, [E, C, O]; for each overflow group g of `sizes[g]` experts, their
+    ids in order in `experts_G`: x_g [g, C_g, I] bmm those experts' W). The card layer reads the stack
+    as it is; only the overflow groups' experts are gathered, and their weight gradients are added into
+    the card's in place (the card's own gradient is written once, by its bmm)."""
+    if isinstance(weight, Tensor):
+        y_ECO, *ys = _LayeredBmm.apply(weight, experts_G, sizes, x_ECI, *x_groups)
+        return y_ECO, ys
+    y_ECO, *ys = _RebuiltLayeredBmm.apply(weight, experts_G, sizes, x_ECI, *x_groups)
+    if weight.lora is not None:
+        a_EIr, b_ErO = weight.lora
+        low_ECr, low_groups = layered_bmm(x_ECI, x_groups, a_EIr, experts_G, sizes)
+        d_ECO, d_groups = layered_bmm(low_ECr, low_groups, b_ErO, experts_G, sizes)
+        y_ECO = y_ECO + weight.scale * d_ECO
+        ys = [y + weight.scale * d for y, d in zip(ys, d_groups)]
+    return y_ECO, ys
+
+
+def _layer_products(w_EIO: Tensor | None, w_GIO: Tensor | None, sizes: list[int], x_ECI: Tensor,
+                    x_groups: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The card layer's product and each overflow group's, the groups' weights given gathered
+    (`w_EIO` None: the card layer is empty)."""
+    weights = w_GIO.split(sizes) if x_groups else ()
+    card = (torch.bmm(x_ECI, w_EIO) if w_EIO is not None else
+            x_ECI.new_empty(x_ECI.shape[0], 0, w_GIO.shape[-1]))
+    return (card, *(torch.bmm(x, w) for x, w in zip(x_groups, weights)))
+
+
+def _layer_input_grads(w_EIO: Tensor | None, w_GIO: Tensor | None, sizes: list[int], grads: tuple) -> list:
+    """d x of the card layer and of each group: grad bmm W^T."""
+    weights = w_GIO.split(sizes) if len(grads) > 1 else ()
+    card = (torch.bmm(grads[0], w_EIO.transpose(1, 2)) if w_EIO is not None else
+            grads[0].new_empty(grads[0].shape[0], 0, w_GIO.shape[1]))
+    return [card] + [torch.bmm(g, w.transpose(1, 2)) for g, w in zip(grads[1:], weights)]
+
+
+class _LayeredBmm(torch.autograd.Function):
+    """`layered_bmm` on a tensor stack: the weight gradient is the card layer's bmm, with each
+    overflow group's added into its experts' rows (index_add_): no whole-card gradient per group."""
+
+    @staticmethod
+    def forward(ctx, w_EIO: Tensor, experts_G: Tensor, sizes: list[int], x_ECI: Tensor, *x_groups: Tensor):
+        w_GIO = w_EIO.index_select(0, experts_G) if x_groups else None
+        ctx.save_for_backward(w_EIO, experts_G, x_ECI, *x_groups)
+        ctx.sizes = sizes
+        return _layer_products(w_EIO, w_GIO, sizes, x_ECI, x_groups)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        w_EIO, experts_G, x_ECI, *x_groups = ctx.saved_tensors
+        grads = tuple(g.contiguous() for g in grads)
+        w_GIO = w_EIO.index_select(0, experts_G) if x_groups else None  # again: gathered weights are not kept
+        grad_w = torch.bmm(x_ECI.transpose(1, 2), grads[0])  # [E, I, O]
+        if x_groups:
+            grad_groups = [torch.bmm(x.transpose(1, 2), g) for x, g in zip(x_groups, grads[1:])]
+            grad_w.index_add_(0, experts_G, torch.cat(grad_groups))
+        return (grad_w, None, None, *_layer_input_grads(w_EIO, w_GIO, ctx.sizes, grads))
+
+
+class _RebuiltLayeredBmm(torch.autograd.Function):
+    """`layered_bmm` on a rebuilt (frozen) stack: the card made once, the groups' experts taken from it."""
+
+    @staticmethod
+    def forward(ctx, weight: RebuiltWeight, experts_G: Tensor, sizes: list[int], x_ECI: Tensor, *x_groups: Tensor):
+        ctx.card = x_ECI.shape[1] > 0  # without a card layer, only the groups' experts are made
+        w, memo = _make(weight, None if ctx.card else experts_G, together=True)
+        ctx.save_for_backward(experts_G)
+        ctx.weight, ctx.memo, ctx.sizes = weight, memo, sizes
+        return _layer_products(*_card_and_groups(w, ctx.card, experts_G), sizes, x_ECI, x_groups)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        (experts_G,) = ctx.saved_tensors
+        w = _for_backward(ctx.weight, None if ctx.card else experts_G, ctx.memo)
+        w_EIO, w_GIO = _card_and_groups(w, ctx.card, experts_G)
+        grads = tuple(g.contiguous() for g in grads)
+        return (None, None, None, *_layer_input_grads(w_EIO, w_GIO, ctx.sizes, grads))
+
+
+def _card_and_groups(w: Tensor, card: bool, experts_G: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(the card's weights, the groups' weights) from what a rebuilt weight made: the whole card (the
+    groups' experts taken from it), or only the groups' experts (the card layer is empty: None)."""
+    return (w, w.index_select(0, experts_G)) if card else (None, w)
 
 
 def _bmm_gathered(x_groups: list[Tensor], w_EIO: Tensor, experts_G: Tensor, sizes: list[int],

@@ -24,12 +24,12 @@ from torch import Tensor
 
 from . import recompute
 from .config import PoolConfig
-from .dispatch import RUNNERS, _bucket, make_plan  # noqa: F401  (_bucket re-exported)
+from .dispatch import RUNNERS, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import MLPAux, RouteCounts, compute_dtype
 from .router import Router, balance_loss, routed_counts, z_loss
 
-__all__ = ["PooledMLP", "_bucket"]
+__all__ = ["PooledMLP"]
 
 
 class PooledMLP(nn.Module):
@@ -101,9 +101,11 @@ class PooledMLP(nn.Module):
         path = path or self.path
         dtype = compute_dtype(x_ND)
         plan = make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0], dropless))
+        # The host sync of a padded path, once per forward: a checkpoint replay takes the forward's layout.
+        layout = recompute.remember((self, "layout"), lambda: host_layout(path, plan, self.experts.gather_rows))
         gate_up, down = self.experts.weights(dtype, in_place=in_place)
         stats: dict = {}
         y_ND = RUNNERS[path](x_ND.to(dtype), gates_NK.to(dtype), gate_up, down, plan, stats,
-                             fused=self.cfg.swiglu == "auto")
+                             fused=self.cfg.swiglu == "auto", layout=layout)
         dropped = (plan.counts_E - plan.capacity).clamp(min=0).sum() if plan.capacity > 0 else None
         return y_ND.to(x_ND.dtype), RouteCounts(plan.counts_E, dropped, plan.n_chars, stats["padded_rows"], path)

@@ -23,8 +23,10 @@ def test_bench_reports_every_path_and_skew_with_consistent_padding(tmp_path, cap
         assert r["ms"] > 0 and r["vs_dense"] > 0
         if path in ("loop", "native"):
             assert r["padding_ratio"] == pytest.approx(1.0)
-        # the rectangle pads every expert to the busiest: never less than the grouped path
-        assert by[(n, skew, "rectangle")]["padding_ratio"] >= by[(n, skew, "grouped")]["padding_ratio"] - 1e-9
+        # the rectangle pads every expert to the busiest; the grouped path's card is at most that load
+        # rounded up (12.5% at most), or smaller with the busiest experts overflowing
+        grouped, rectangle = by[(n, skew, "grouped")]["padding_ratio"], by[(n, skew, "rectangle")]["padding_ratio"]
+        assert 1.0 - 1e-9 <= grouped <= 1.125 * rectangle + 1e-9
     collapse = by[(48, "collapse", "rectangle")]
     assert collapse["padding_ratio"] == pytest.approx(8 / 2)  # E/K: every expert padded to the full load
     assert "| chars | skew | path |" in capsys.readouterr().out

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from minagi.dispatch import GROUPED_MM, _bucket, group_by_bucket, make_plan, resolve_dispatch, run_padded
+from minagi.dispatch import (GROUPED_MM, Layout, host_layout, layered_layout, make_plan, resolve_dispatch,
+                             round_capacity, run_padded)
 from minagi.pool import PooledMLP
 from minagi.swiglu import swiglu_eager
 from tiny import new_pool
@@ -62,9 +63,22 @@ def assert_same(a, b, atol=1e-5):
         torch.testing.assert_close(u, v, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_bucket_rounds_to_powers_of_two_then_multiples_of_128():
-    assert [_bucket(n) for n in (1, 2, 3, 100, 128, 129, 255, 256, 300)] == [1, 2, 4, 128, 128, 256, 256, 256, 384]
-    assert _bucket(0) == 0
+def test_capacities_round_to_powers_of_two_then_eight_steps_a_power_of_two():
+    got = [round_capacity(n) for n in (0, 1, 3, 16, 17, 100, 128, 129, 910, 1000, 1025)]
+    assert got == [0, 1, 4, 16, 18, 104, 128, 144, 960, 1024, 1152]
+    from minagi.dispatch import _round_capacities
+    n = torch.randint(0, 5000, (500,)).numpy()
+    assert _round_capacities(n).tolist() == [round_capacity(int(v)) for v in n]
+
+
+def test_the_layout_keeps_a_sink_out_of_the_card_and_everything_in_it_when_loads_are_even():
+    sink = layered_layout([900, 1010, 950, 15523] + [980] * 124)
+    assert sink.card == 1024 and sink.groups == ((round_capacity(15523 - 1024), (3,)),)
+    even = layered_layout([1000, 1100, 1050, 990] * 32)
+    assert even.card == round_capacity(1100) and even.groups == ()
+    collapse = layered_layout([16384] * 8 + [0] * 120)  # a card for every expert would be 16x the rows
+    assert collapse.card == 0 and collapse.groups == ((16384, tuple(range(8))),)
+    assert layered_layout([0] * 8) == Layout((0,) * 8, 0, ())
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -92,7 +106,11 @@ def test_grouped_matches_rectangle_and_loop_outputs_and_grads(scenario):
 def test_uneven_scenario_really_splits_into_several_groups_and_sink_really_sinks():
     n_chars, bias = SCENARIOS["uneven_two_groups"]
     ids, _ = routing(n_chars, bias)
-    assert len(group_by_bucket(torch.bincount(ids.flatten(), minlength=E).tolist())) >= 2
+    split = layered_layout(torch.bincount(ids.flatten(), minlength=E).tolist(), gather_rows=0)
+    assert len(split.groups) >= 2
+    n_chars, bias = SCENARIOS["sink"]
+    ids, _ = routing(n_chars, bias)
+    assert layered_layout(torch.bincount(ids.flatten(), minlength=E).tolist()).groups  # the sink overflows
     n_chars, bias = SCENARIOS["sink"]
     ids, _ = routing(n_chars, bias)
     assert (ids == 0).any(-1).all()
@@ -111,22 +129,39 @@ def test_native_matches_loop_outputs_and_grads(scenario):
     assert_same(run(pool, "native", x, ids, gates), run(pool, "loop", x, ids, gates))
 
 
-def test_bucket_padding_changes_nothing():
+def _layouts(kept: list[int]) -> list[Layout]:
+    """Every kind of layout for these loads: card alone, card + overflow groups, overflow alone."""
+    top = max(kept)
+    out = [Layout(tuple(kept), top, ()), layered_layout(kept, gather_rows=0), layered_layout(kept)]
+    for card in (0, 1, min(n for n in kept if n > 0), top // 2):
+        groups = {}
+        for e, n in enumerate(kept):
+            if n > card:
+                groups.setdefault(round_capacity(n - card) + (e % 2), []).append(e)  # uneven capacities too
+        out.append(Layout(tuple(kept), card, tuple((c, tuple(m)) for c, m in sorted(groups.items()))))
+    return out
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_layout_of_the_padded_path_gives_the_loops_outputs_and_grads(scenario):
+    n_chars, bias = SCENARIOS[scenario]
     pool = make_pool()
-    n_chars, bias = SCENARIOS["uneven_two_groups"]
     x = torch.randn(n_chars, D)
     ids, gates = routing(n_chars, bias)
-    plan = make_plan(ids, E)
-    counts = plan.counts_E.tolist()
-    exact = [(n, [e]) for e, n in enumerate(counts) if n > 0]
-    bucketed = group_by_bucket(counts)
-    assert any(c != counts[m[0]] for c, m in bucketed), "the scenario must actually pad"
-    stats_exact, stats_bucketed = {}, {}
-    gate_up, down = pool.experts.weights(torch.float32)
-    y_exact = run_padded(x, gates, gate_up, down, plan, exact, sum(counts), stats_exact)
-    y_bucketed = run_padded(x, gates, gate_up, down, plan, bucketed, sum(counts), stats_bucketed)
-    torch.testing.assert_close(y_bucketed, y_exact, atol=1e-5, rtol=1e-5)
-    assert stats_bucketed["padded_rows"] > stats_exact["padded_rows"] == sum(counts)
+    ref = run(pool, "loop", x, ids, gates)
+    kept = make_plan(ids, E).counts_E.tolist()
+    for layout in _layouts(kept):
+        pool.zero_grad()
+        x_ = x.clone().requires_grad_(True)
+        gates_ = gates.clone().requires_grad_(True)
+        stats = {}
+        gate_up, down = pool.experts.weights(torch.float32)
+        y = run_padded(x_, gates_, gate_up, down, make_plan(ids, E), layout, stats)
+        weight = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        (y * weight).sum().backward()
+        got = (y.detach(), x_.grad, pool.experts.gate_up.grad.clone(), pool.experts.down.grad.clone(), gates_.grad)
+        assert_same(got, ref)
+        assert stats["padded_rows"] == layout.padded_rows >= sum(kept)
 
 
 @pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
