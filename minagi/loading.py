@@ -6,48 +6,39 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .config import ConfigError, config_from_dict
+from .checkpoint import Checkpoint, CheckpointError
 from .data import Vocab
 from .model import CharLM, build_model
 
-
-def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, dict]:
-    """(model in eval mode on `device`, its vocabulary, the checkpoint payload).
+def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, Checkpoint]:
+    """(model in eval mode on `device`, its vocabulary, the checkpoint).
 
     Every problem is a one-line CheckpointError naming the file. Checkpoints of format 1 (before the
     [pool] section) are read through `checkpoint.upgrade_payload`.
     """
-    payload = load_checkpoint(path, map_location="cpu")
-    missing = [key for key in ("model", "config", "vocab") if key not in payload]
-    if missing:
-        raise CheckpointError(f"{path}: not a minagi model checkpoint (missing {', '.join(missing)})")
-    try:
-        cfg = config_from_dict(payload["config"], source=str(path))
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    vocab = Vocab.from_chars(payload["vocab"])
-    model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts,
-                        init_frozen=False)
+    ckpt = Checkpoint.load(path, map_location="cpu")
+    cfg = ckpt.config
+    model = build_model(cfg.model, cfg.pool, ckpt.vocab.size, device, dense_width=cfg.dense_width,
+                        experts=cfg.experts, init_frozen=False)
     if cfg.experts.offload == "cpu":
         from .offload import attach_offload
         attach_offload(model, device, cfg.experts.prefetch)
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(ckpt.model)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise CheckpointError(f"{path}: the weights do not fit the model its config describes ({first})") from None
-    return model.eval(), vocab, payload
+    return model.eval(), ckpt.vocab, ckpt
 
 
 @torch.no_grad()
-def init_from_checkpoint(model: CharLM, payload: dict, path: str | Path) -> list[str]:
+def init_from_checkpoint(model: CharLM, ckpt: Checkpoint, path: str | Path) -> list[str]:
     """A trained checkpoint's weights into a newly built `model`: every tensor by name and shape;
     a trainable expert stack into a frozen one is quantized on the way. Returns the tensors the
     checkpoint did not have and the model starts fresh (LoRA adapters). Any other difference is a
     one-line CheckpointError naming the tensor."""
     from .frozen import frozen_stacks
-    state = payload["model"]
+    state = ckpt.model
     frozen = frozen_stacks(model)
     saved = model.state_dict(keep_vars=True).keys()  # not the buffers a model remakes (RoPE tables)
     targets = {**dict(model.named_parameters()), **{k: b for k, b in model.named_buffers() if k in saved}}

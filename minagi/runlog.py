@@ -7,6 +7,7 @@ resume); a resumed run simply continues the file.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_write, stale_temp_files
-from .checkpoint import copy_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, copy_checkpoint, save_checkpoint
 
 __all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
            "write_run_info"]
@@ -223,9 +224,9 @@ class RunFolder:
         self._guard(self.path / "run.json", lambda: write_run_info(self.path, **run_info))
         self.history = History(self.path / "history.jsonl")
 
-    def save_last(self, payload: dict) -> None:
-        self._guard(self.last, lambda: save_checkpoint(self.last, payload), self.kept())
-        self.last_step = payload["step"]
+    def save_last(self, ckpt: Checkpoint) -> None:
+        self._guard(self.last, lambda: save_checkpoint(self.last, ckpt.to_payload()), self.kept())
+        self.last_step = ckpt.step
 
     def kept(self) -> str:
         """What last.pt holds now, for messages about a failure."""
@@ -233,9 +234,9 @@ class RunFolder:
             return f"{self.last} keeps the last good checkpoint (step {self.last_step})"
         return f"{self.last} keeps the last good checkpoint" if self.last.exists() else "no checkpoint was written"
 
-    def write_evaluation(self, payload: dict, record: dict, improved: bool) -> None:
+    def write_evaluation(self, ckpt: Checkpoint, record: dict, improved: bool) -> None:
         """last.pt carrying `record`, best.pt when `improved`, then the history line."""
-        self.save_last({**payload, "record": record})
+        self.save_last(dataclasses.replace(ckpt, record=record))
         if improved:
             self._guard(self.best, lambda: copy_checkpoint(self.last, self.best))
         self._guard(self.history.path, lambda: self.history.append(record))

@@ -76,8 +76,8 @@ def test_a_run_claims_its_folder_before_reading_it_and_lets_go_when_it_ends_or_f
     done = run_tiny(tmp_path, data_path)
     extended, profile = trainer.resume_config(done.run_dir, ["train.steps=8"])
     reads = []
-    real_load = trainer.load_checkpoint
-    monkeypatch.setattr(trainer, "load_checkpoint", lambda *a, **k: reads.append(a) or real_load(*a, **k))
+    real_load = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: reads.append(a) or real_load(*a, **k))
     held = RunFolder(done.run_dir)
     held.claim()  # as another process would: flock locks an open file, whoever opened it
     try:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import train as train_py
-from minagi import runlog, trainer
+from minagi import runlog, start, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
 from minagi.model import CharLM
@@ -217,13 +217,13 @@ def test_a_resume_continues_the_random_streams_the_checkpoint_saved(tmp_path, da
     np.random.seed(99)
     torch.manual_seed(99)
     after_restore = {}
-    real = trainer.restore_training
+    real = start.restore_training
 
     def restoring(training, ckpt):
         note = real(training, ckpt)
         after_restore.update(trainer.capture_rng_state())
         return note
-    monkeypatch.setattr(trainer, "restore_training", restoring)
+    monkeypatch.setattr(start, "restore_training", restoring)
     train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
     assert after_restore["python"] == saved["python"] and after_restore["numpy"] == saved["numpy"]
     assert torch.equal(after_restore["torch"], saved["torch"])

@@ -1,0 +1,126 @@
+"""Assembly: the model, optimizer, schedule and parallel wrappers a config describes (`build_training`),
+and the same restored from a checkpoint (`restore_training`). Moved out of minagi/trainer.py, which
+keeps the training state, the step, the evaluation and the loop.
+
+`_wire_model` is where the frozen-expert features (row checkpointing, the replay pin, the offload
+stager) and DDP's count reducers are applied to the built model, from outside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .checkpoint import Checkpoint, restore_rng_state
+from .config import Config, ConfigError
+from .frozen import FrozenExpertStack, frozen_stacks
+from .model import CharLM, build_model
+from .offload import OffloadStager, attach_offload
+from .recompute import PinPolicy, apply_row_checkpointing
+from .schedule import Schedule, as_function
+
+__all__ = ["Training", "build_training", "check_world_size", "restore_training"]
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """train.batch_size is the global batch: it must split evenly over the ranks."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
+                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
+                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+
+
+@dataclass
+class Training:
+    """The model and what trains it. `forward` is the training forward (DDP / compile); everything
+    else (optimizer, saving, evaluation, the bias step) uses the plain `model`, so state dicts carry
+    no `module.` or `_orig_mod.` prefixes."""
+    model: CharLM
+    forward: Callable
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: Schedule
+    params: list[Tensor]
+    dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
+    stager: OffloadStager | None = None  # experts.offload = "cpu"
+    # Set by train_step when the update starts; the caller clears it once its own step counter agrees
+    # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
+    updating: bool = False
+
+
+def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
+                   init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
+    """The model, optimizer and schedule; row checkpointing, the replay pin, DDP and compile applied
+    from outside the model. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
+    tc = cfg.train
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
+                        experts=cfg.experts, init_frozen=init_frozen)
+    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
+                                  betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
+    schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
+    stager = _wire_model(model, cfg, device, world_size, log)
+    forward = model
+    if world_size > 1:
+        # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
+        frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
+        forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
+    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, stager)
+
+
+def _wire_model(model: CharLM, cfg: Config, device: torch.device, world_size: int,
+                log: Callable[[str], None]) -> OffloadStager | None:
+    """Row checkpointing, the replay pin, the offload stager and DDP's count reducers, set on the built
+    model from outside it; returns the stager (experts.offload = "cpu")."""
+    stacks = frozen_stacks(model)
+    if cfg.train.checkpoint_rows:
+        apply_row_checkpointing(model)
+        if stacks:
+            policy = PinPolicy(cfg.experts.replay_pin, int(cfg.experts.pin_floor_mib * 2**20), log=log)
+            for module in model.modules():
+                if isinstance(module, FrozenExpertStack):
+                    module.pin = policy
+    stager = None
+    if cfg.experts.offload == "cpu":
+        stager = attach_offload(model, device, cfg.experts.prefetch)
+        log(f"offload: {len(stager.rows)} rows of frozen stacks homed in "
+            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory "
+            f"({sum(s.stored_bytes() for s in stacks.values()) / 2**30:.2f} GiB), staged to {device} "
+            f"{'with' if cfg.experts.prefetch else 'without'} prefetch"
+            + ("" if device.type == "cuda" else "; on the CPU this saves no memory"))
+    if world_size > 1:
+        distributed.install_count_reducers(model)
+    return stager
+
+
+def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
+    """Model, optimizer, scheduler and RNG from a training checkpoint, and the schedule the run goes on
+    with (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
+    training.model.load_state_dict(ckpt.model)
+    training.optimizer.load_state_dict(ckpt.optimizer)
+    training.scheduler.load_state_dict(ckpt.scheduler)
+    planned, step = ckpt.schedule, ckpt.step
+    schedule = planned.extended(step, training.schedule.total)
+    training.schedule = schedule
+    training.scheduler.lr_lambdas = [as_function(schedule) for _ in training.optimizer.param_groups]
+    # The next lr from the schedule, not the optimizer's saved one: the same value, to the bit, unless
+    # the run was extended.
+    for group, base_lr in zip(training.optimizer.param_groups, training.scheduler.base_lrs):
+        group["lr"] = base_lr * schedule(training.scheduler.last_epoch)
+    restore_rng_state(ckpt.rng)
+    if schedule is planned:
+        return None
+    base = training.scheduler.base_lrs[0]
+    change = f"schedule: train.steps {planned.total} -> {schedule.total}"
+    if schedule.bend < 0:
+        return f"{change}: still warming up; the cosine after the warmup now ends at step {schedule.total}"
+    return (f"{change}: the learning rate goes on from {base * schedule.bend_factor:.3g} (step {step}'s) down a "
+            f"cosine to {base * schedule.min_ratio:.3g} at step {schedule.total}, without a jump (a fresh "
+            "warmup and cosine is a new run: --init from this run's checkpoint)")
