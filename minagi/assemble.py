@@ -47,7 +47,7 @@ class Training:
     dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
     stager: OffloadStager | None = None  # experts.offload = "cpu"
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
-    # with the parameters again (Ctrl-C in between leaves nothing consistent to save).
+    # with the parameters again (a Ctrl-C in between waits for that: minagi.trainer).
     updating: bool = False
 
 

@@ -12,7 +12,7 @@ function of the step number, so a resumed run continues at exactly the data posi
 on the CPU reproduces the uninterrupted run's losses (and the next step's batch can be made while a
 step's kernels run, before its loss is read). Every `eval_every` steps and at the end: the
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved. Ctrl-C saves
-last.pt at the step reached.
+last.pt at the step reached (one during the optimizer update waits the milliseconds it takes).
 
 Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): `train.batch_size` stays the global
 batch: rank r trains on its `batch_size // world_size` rows of every step's batch, DDP averages the
@@ -21,9 +21,12 @@ ranks, so N ranks train the run one process would. Rank 0 alone writes the run f
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +227,7 @@ class Trainer:
         # The loop's state besides `Interval`: the batch made ahead, an evaluation's files still owed.
         self.ahead: tuple[int, tuple[Tensor, Tensor]] | None = None
         self.owed: tuple[Checkpoint, dict, bool] | None = None
+        self.held_interrupt = False  # a Ctrl-C held back during an update
         start = start_run(cfg, profile_name, resume, init=init, rank=rank, world_size=world_size, device=device,
                           argv=argv, say=self.say)
         self.folder, self.run_name, self.corpus = start.folder, start.run_name, start.corpus
@@ -253,11 +257,12 @@ class Trainer:
         self.interval = Interval(lr=last_lr if state.eval_due else None)
         self.training.model.train()
         try:
-            while (state.step < tc.steps or state.eval_due) and not self._stop_early():
-                if state.eval_due:
-                    self._evaluate_and_record()
-                else:
-                    self._step()
+            with self._interrupts_wait_for_updates():
+                while (state.step < tc.steps or state.eval_due) and not self._stop_early():
+                    if state.eval_due:
+                        self._evaluate_and_record()
+                    else:
+                        self._step()
         except KeyboardInterrupt:
             self._on_interrupt()
         finally:
@@ -265,6 +270,24 @@ class Trainer:
             if self.is_main:
                 self.folder.close()
         return self.result
+
+    @contextlib.contextmanager
+    def _interrupts_wait_for_updates(self):
+        """Ctrl-C during an optimizer update is held until the update and the step count agree again
+        (milliseconds), then raised (`_step`): the handler saves the new step. Elsewhere it is raised at
+        once, as by Python's own handler (left alone off the main thread or where replaced)."""
+        def on_sigint(signum, frame):
+            if not self.training.updating:
+                raise KeyboardInterrupt
+            self.held_interrupt = True
+        ours = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        previous = signal.signal(signal.SIGINT, on_sigint) if ours else None
+        try:
+            yield
+        finally:
+            if ours:
+                signal.signal(signal.SIGINT, previous)
 
     def _stop_early(self) -> bool:
         patience = self.cfg.train.early_stop_evals
@@ -307,6 +330,8 @@ class Trainer:
         self.result.losses.append(stats.ce)
         self.result.step = state.step
         self.training.updating = False  # only now do step, meters and parameters agree
+        if self.held_interrupt:
+            raise KeyboardInterrupt  # held back during the update: `_interrupts_wait_for_updates`
         self.shown.step(state.step, stats.ce, dt, chars)
 
     def _evaluate_and_record(self) -> None:
@@ -351,7 +376,7 @@ class Trainer:
         self.result.interrupted = True
         state = self.state
         if self.training.updating:
-            # Some parameters may have moved and others not: nothing consistent to save.
+            # Where Ctrl-C could not be held back: some parameters may have moved and others not.
             self.say(f"interrupted during the update of step {state.step + 1}; {self.folder.last} is unchanged")
             return
         if not self.is_main:

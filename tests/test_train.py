@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -148,6 +149,32 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp
         assert a["sinks"] == b["sinks"], a["step"]  # counts, and ratios of counts: exact
         assert a["sinks"][0]["routed"] == 2 * 4 * 16 * 2  # 2 steps of 4 x 16 characters, top-2
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
+
+
+def test_ctrl_c_during_the_optimizer_update_saves_last_pt_at_that_step_and_resumes_exactly(tmp_path, data_path,
+                                                                                         monkeypatch):
+    # The update takes milliseconds: a Ctrl-C in it waits for its end, then last.pt holds the new step
+    # (it used to save nothing: "interrupted during the update of step 3; last.pt is unchanged").
+    extra = ("train.eval_every=4",)
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    real_step, calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # SIGINT from inside step 3's update, handled before its first parameter moves
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self, *args, **kwargs)
+    lines = []
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", step)  # before the optimizer is made: its scheduler wraps this
+        cut = train(tiny_cfg(tmp_path, data_path, *extra, run_name="cut"), "tiny", progress=False, log=lines.append,
+                    argv=["test"])
+    assert cut.interrupted and cut.step == 3 and len(cut.losses) == 3
+    assert lines[-1] == f"interrupted: saved {cut.run_dir / 'last.pt'} at step 3; continue with --resume {cut.run_dir}"
+    assert load_checkpoint(cut.run_dir / "last.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    rest = train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert cut.losses + rest.losses == full.losses and rest.heldout_loss == full.heldout_loss
 
 
 def test_extending_a_finished_run_with_train_steps_equals_running_longer(tmp_path, data_path):
