@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .checkpoint import Checkpoint, restore_rng_state
+from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
 from .config import Config, ConfigError
 from .frozen import FrozenExpertStack, frozen_stacks
+from .loading import load_weights
 from .model import CharLM, build_model
 from .offload import OffloadStager, attach_offload
 from .recompute import PinPolicy, apply_row_checkpointing
@@ -103,9 +104,13 @@ def _wire_model(model: CharLM, cfg: Config, device: torch.device, world_size: in
 def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
     """Model, optimizer, scheduler and RNG from a training checkpoint, and the schedule the run goes on
     with (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
-    training.model.load_state_dict(ckpt.model)
-    training.optimizer.load_state_dict(ckpt.optimizer)
-    training.scheduler.load_state_dict(ckpt.scheduler)
+    source = ckpt.source or "checkpoint"
+    load_weights(training.model, ckpt.model, source)
+    try:
+        training.optimizer.load_state_dict(ckpt.optimizer)
+        training.scheduler.load_state_dict(ckpt.scheduler)
+    except (KeyError, ValueError) as e:  # torch's own words, e.g. a parameter group of another size
+        raise CheckpointError(f"{source}: the optimizer state does not fit the model ({e})") from None
     planned, step = ckpt.schedule, ckpt.step
     schedule = planned.extended(step, training.schedule.total)
     training.schedule = schedule

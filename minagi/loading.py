@@ -1,5 +1,6 @@
-"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), and
-start a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init)."""
+"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), start
+a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init), and load a
+state dict into a model with one-line errors naming the tensor at fault (`load_weights`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,32 @@ import torch
 from .checkpoint import Checkpoint, CheckpointError
 from .data import Vocab
 from .model import CharLM, build_model
+
+_LISTED = 3  # tensor names a message lists before "(+N more)"
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:_LISTED]) + (f" (+{len(keys) - _LISTED} more)" if len(keys) > _LISTED else "")
+
+
+def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> None:
+    """`model.load_state_dict(state)`, strict; CheckpointError naming the tensors missing from `state`,
+    the ones the model has no place for, or the first whose shape differs."""
+    expected = model.state_dict().keys()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    if missing or unexpected:
+        parts = ([f"lacks {_names(missing)}"] if missing else []) + \
+                ([f"has {_names(unexpected)}, which the model has no place for"] if unexpected else [])
+        raise CheckpointError(f"{source}: the weights do not fit the model its config describes: it "
+                              f"{'; it '.join(parts)}")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # torch's header line, then one line per tensor ("size mismatch for ...")
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CheckpointError(f"{source}: the weights do not fit the model its config describes "
+                              f"({lines[1] if len(lines) > 1 else lines[0] if lines else e})") from None
+
 
 def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, Checkpoint]:
     """(model in eval mode on `device`, its vocabulary, the checkpoint).
@@ -23,11 +50,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     if cfg.experts.offload == "cpu":
         from .offload import attach_offload
         attach_offload(model, device, cfg.experts.prefetch)
-    try:
-        model.load_state_dict(ckpt.model)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{path}: the weights do not fit the model its config describes ({first})") from None
+    load_weights(model, ckpt.model, path)
     return model.eval(), ckpt.vocab, ckpt
 
 

@@ -1,16 +1,23 @@
 """What a resumed run checks before it goes on: its config (only RESUMABLE_KEYS may change), its
-checkpoint against the steps asked for, and its corpus (the same content, wherever it is now)."""
+checkpoint against the steps asked for, and its corpus (the same content, wherever it is now). Each
+refusal says what to do instead: a run stopped before its first checkpoint is started again, a
+corpus that moved is pointed at with --data."""
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointError
 from .config import RESUMABLE_KEYS, Config, ConfigError, DataConfig, apply_overrides, config_from_dict, \
     config_to_dict, upgrade_config_dict
-from .data import Corpus, DataError, Vocab, file_content_key, load_corpus
-from .runlog import read_run_info
+from .data import Corpus, DataError, Vocab, VocabError, file_content_key, load_corpus
+from .runlog import read_history, read_run_info
 
 __all__ = ["check_same_corpus", "describe_corpus", "load_run_corpus", "open_checkpoint", "resume_config"]
+
+
+def _start_again(run_dir: Path) -> str:
+    return f"start it again with its settings and --run-name {run_dir.name} (under train.out_dir {run_dir.parent})"
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, str]:
@@ -20,6 +27,9 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
     """
     run_dir = Path(run_dir)
     if not (run_dir / "run.json").is_file():
+        if run_dir.is_dir() and {p.name for p in run_dir.iterdir() if ".tmp-" not in p.name} <= {"run.lock"}:
+            raise ConfigError(f"--resume {run_dir}: no run.json there: the run stopped before it began, so "
+                              f"there is nothing to resume; {_start_again(run_dir)}")
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
     cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
@@ -44,6 +54,11 @@ def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
 def open_checkpoint(run_dir: Path, cfg: Config) -> Checkpoint:
     """last.pt of the run to resume, checked against `cfg` and `train.steps`."""
     path = run_dir / "last.pt"
+    history = run_dir / "history.jsonl"
+    if not path.exists() and not (history.exists() and read_history(history)):
+        raise CheckpointError(f"{path}: no such checkpoint file: the run stopped before its first checkpoint "
+                              f"(step {min(cfg.train.eval_every, cfg.train.steps)}), so there is nothing to "
+                              f"resume; {_start_again(run_dir)}")
     ckpt = Checkpoint.load(path, map_location="cpu")
     ckpt.check_trains()
     _check_resumed_config(cfg, ckpt.config, str(path))
@@ -54,12 +69,36 @@ def open_checkpoint(run_dir: Path, cfg: Config) -> Checkpoint:
     return ckpt
 
 
+def _exists(path: str) -> bool:
+    """Whether a data path names something: a file, a folder, or a glob that matches ("": the standard library)."""
+    if not path:
+        return True
+    if glob.has_magic(path):
+        return bool(glob.glob(str(Path(path).expanduser()), recursive=True))
+    return Path(path).expanduser().exists()
+
+
 def load_run_corpus(data: DataConfig, vocab: Vocab | None, *, resumed: Path | None = None,
                     init: str | Path | None = None) -> Corpus:
     """`load_corpus` of a run: with the vocabulary of the run it resumes (`resumed`: its folder) or of
-    the checkpoint it starts from (`init`)."""
-    return load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=vocab,
-                       strip_gutenberg=data.strip_gutenberg, heldout_files=data.heldout_files)
+    the checkpoint it starts from (`init`), whose errors then say what to do."""
+    try:
+        return load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=vocab,
+                           strip_gutenberg=data.strip_gutenberg, heldout_files=data.heldout_files)
+    except VocabError as e:
+        if resumed is not None:
+            raise VocabError(f"{e}; the run in {resumed} knows only the {vocab.size} characters of its corpus: "
+                             "resume with --data pointing at the run's corpus (text with new characters is "
+                             "a new run)") from None
+        if init is not None:
+            raise VocabError(f"{e}; --init {init}: a run started from a checkpoint keeps its vocabulary "
+                             f"({vocab.size} characters)") from None
+        raise
+    except DataError as e:
+        if resumed is None or _exists(data.path):
+            raise
+        raise DataError(f"{e}; the run in {resumed} trained on it: if its corpus moved, resume with --data "
+                        "pointing at where it is now") from None
 
 
 def describe_corpus(corpus: Corpus, path: str) -> str:

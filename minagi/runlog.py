@@ -209,11 +209,19 @@ class RunFolder:
     def claim(self) -> list[Path]:
         """Create the folder if needed, take its lock, remove temporary files of dead processes
         (returned). RunFolderError when another process holds the lock."""
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]  # deepest first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock(self.path / "run.lock")
         except OSError as err:
             raise RunFolderError(_describe_os_error(self.path, err)) from None
-        self._lock_fd = _lock(self.path / "run.lock")
+        except _LockNotMade:  # a full disk: leave none of the folders made for this run
+            for folder in made:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break  # not empty: another process's now
+            raise
         self.removed = stale_temp_files(self.path)
         for p in self.removed:
             p.unlink(missing_ok=True)
@@ -278,12 +286,17 @@ class RunFolder:
 
 
 
+class _LockNotMade(RunFolderError):
+    """run.lock could not be created or our pid not written in it (a full disk): nothing of it is left."""
+
+
 def _lock(path: Path) -> int:
     """Open and lock `path` without waiting; write our pid after byte 0 (the byte Windows locks)."""
+    existed = path.exists()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise RunFolderError(_describe_os_error(path, err)) from None
+        raise _LockNotMade(_describe_os_error(path, err)) from None
     try:
         if sys.platform == "win32":
             import msvcrt
@@ -300,8 +313,10 @@ def _lock(path: Path) -> int:
         os.ftruncate(fd, 0)
         os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
     except OSError as err:  # a full disk: say so rather than train without a named owner
+        if not existed:
+            path.unlink(missing_ok=True)  # still holding the lock: no other run is in it
         os.close(fd)
-        raise RunFolderError(_describe_os_error(path, err)) from None
+        raise _LockNotMade(_describe_os_error(path, err)) from None
     return fd
 
 

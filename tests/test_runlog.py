@@ -205,6 +205,35 @@ def test_a_full_disk_is_one_line_naming_the_file_exit_2_and_leaves_the_last_good
         assert [r["step"] for r in read_history(folder / "history.jsonl")] == [2, 4, 6]
 
 
+class _OsOfAFullDisk:
+    """runlog's `os`, on a disk with no room left: os.write fails (the lock's pid) as the kernel's would."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_at_the_lock_write_is_one_line_and_leaves_no_folder_behind(tmp_path, data_path, monkeypatch,
+                                                                               capsys):
+    argv = tiny_argv(tmp_path, data_path, run_name="full")
+    folder = tmp_path / "runs" / "full"
+    with monkeypatch.context() as m:
+        m.setattr(runlog, "os", _OsOfAFullDisk())
+        assert train_py.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {folder / 'run.lock'}: cannot write: no space left on device"]
+    assert not (tmp_path / "runs").exists()  # neither the run folder nor the out_dir it made
+    assert train_py.main(argv) == 0
+    before = sorted(p.name for p in folder.iterdir())
+    with monkeypatch.context() as m:  # a resume on a full disk: the run's folder and its run.lock stay
+        m.setattr(runlog, "os", _OsOfAFullDisk())
+        assert train_py.main(["--resume", str(folder), "--set", "train.steps=8"]) == 2
+    assert sorted(p.name for p in folder.iterdir()) == before and "run.lock" in before
+
+
 # ------------------------------------------------------------------------------ the directory fsync
 
 def test_a_checkpoint_write_fsyncs_its_directory_after_the_rename(tmp_path, monkeypatch):

@@ -536,6 +536,87 @@ def test_a_resume_finds_its_corpus_from_any_directory_and_refuses_one_whose_cont
     assert [r["step"] for r in read_history(run_dir / "history.jsonl")] == [3, 6, 8, 9, 10]
 
 
+# ------------------------------------------------------------------------------ dead ends: each refusal says what to do
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_start_it_again(tmp_path, data_path,
+                                                                                       monkeypatch, capsys):
+    argv = tiny_argv(tmp_path, data_path, run_name="early")
+    with monkeypatch.context() as m:
+        _nan_at_training_call(m, 2)  # as a kill or a full disk before step 3 would: run.json, no last.pt
+        assert train_py.main(argv) == 3
+    capsys.readouterr()
+    run_dir = tmp_path / "runs" / "early"
+    assert train_py.main(["--resume", str(run_dir)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: {run_dir / 'last.pt'}: no such checkpoint file: the run stopped before its "
+                           "first checkpoint (step 3), so there is nothing to resume; start it again with its "
+                           "settings and --run-name early"), line
+    assert train_py.main(argv) == 0  # and so it does, in the same folder
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 6
+
+    stopped = tmp_path / "runs" / "before"  # a kill while the corpus loaded: only the lock was made
+    runlog.RunFolder(stopped).claim()
+    assert train_py.main(["--resume", str(stopped)]) == 2
+    assert "the run stopped before it began, so there is nothing to resume; start it again with its settings " \
+           "and --run-name before" in _one_error_line(capsys)
+
+
+def test_a_resume_whose_corpus_moved_or_gained_characters_says_to_point_data_at_the_runs_corpus(tmp_path, capsys):
+    corpus = write_tiny_text(tmp_path)
+    assert train_py.main(tiny_argv(tmp_path, corpus, run_name="moved")) == 0
+    run_dir = tmp_path / "runs" / "moved"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    corpus.rename(elsewhere / corpus.name)
+    capsys.readouterr()
+    assert train_py.main(["--resume", str(run_dir), "--set", "train.steps=8"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: data path '{corpus}' does not exist") and line.endswith(
+        f"; the run in {run_dir} trained on it: if its corpus moved, resume with --data pointing at where it is now")
+
+    grown = tmp_path / "grown.txt"
+    grown.write_text(tiny_text() + "Zébra\n")
+    assert train_py.main(["--resume", str(run_dir), "--data", str(grown), "--set", "train.steps=8"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: {grown}: 2 character(s) not in the vocabulary (") and line.endswith(
+        f"; the run in {run_dir} knows only the {len(set(tiny_text()))} characters of its corpus: resume with "
+        "--data pointing at the run's corpus (text with new characters is a new run)"), line
+    # A new run from the run's weights keeps its vocabulary too.
+    assert train_py.main(tiny_argv(tmp_path, grown, run_name="from") + ["--init", str(run_dir / "last.pt")]) == 2
+    assert _one_error_line(capsys).endswith(f"; --init {run_dir / 'last.pt'}: a run started from a checkpoint "
+                                            f"keeps its vocabulary ({len(set(tiny_text()))} characters)")
+    assert train_py.main(["--resume", str(run_dir), "--data", str(elsewhere / corpus.name),
+                          "--set", "train.steps=8"]) == 0
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_a_checkpoint_whose_tensors_do_not_fit_names_them_on_resume_and_on_load(tmp_path, data_path, capsys,
+                                                                                change):
+    from minagi.checkpoint import CheckpointError, save_checkpoint
+    from minagi.loading import load_trained
+    done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
+    payload = load_checkpoint(done.run_dir / "last.pt")
+    if change == "missing":
+        del payload["model"]["rows.0.attn.qkv.weight"]
+        expected = "the weights do not fit the model its config describes: it lacks rows.0.attn.qkv.weight"
+    else:
+        payload["model"]["rows.0.attn.extra"] = torch.zeros(2)
+        expected = ("the weights do not fit the model its config describes: it has rows.0.attn.extra, which the "
+                    "model has no place for")
+    save_checkpoint(done.run_dir / "last.pt", {k: v for k, v in payload.items() if k != "format_version"})
+    assert train_py.main(["--resume", str(done.run_dir), "--set", "train.steps=4"]) == 2
+    assert _one_error_line(capsys) == f"error: {done.run_dir / 'last.pt'}: {expected}"
+    with pytest.raises(CheckpointError) as err:
+        load_trained(done.run_dir / "last.pt")
+    assert str(err.value) == f"{done.run_dir / 'last.pt'}: {expected}"
+
+
 @pytest.fixture(scope="module")
 def first_try(tmp_path_factory):
     """`train.py --set train.steps=20` on cpu_tiny without a terminal (stdout and stderr to files),
