@@ -2,8 +2,9 @@
 last.pt / best.pt, and the lock that makes one process its owner (`RunFolder`).
 
 history.jsonl is opened in append mode and every line is flushed and fsynced as it is written, so a
-crash loses at most the line being written (and the checkpoint that carries it gives it back on
-resume); a resumed run simply continues the file.
+crash loses at most the line being written: the next start cuts that torn line off (so every line
+stays JSON for jq or json.loads), and the checkpoint that carries its record gives it back (`reconcile`);
+a resumed run simply continues the file.
 """
 from __future__ import annotations
 
@@ -119,15 +120,24 @@ class History:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
+        if self.path.exists():
+            self._cut_torn_line()
         self._f = open(self.path, "a", encoding="utf-8")
-        if torn:  # a crash mid-line: keep the fragment on its own line rather than glue a record to it
-            self._f.write("\n")
 
-    def _ends_with_newline(self) -> bool:
-        with open(self.path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
+    def _cut_torn_line(self) -> None:
+        """A crash mid-line leaves a last line without its newline: cut it off (its record is in the
+        checkpoint that was written before it: `RunFolder.reconcile`)."""
+        with open(self.path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(0)
+            f.truncate(f.read().rfind(b"\n") + 1)  # 0 when the torn line is the only one
+            f.flush()
+            os.fsync(f.fileno())
 
     def append(self, record: dict) -> None:
         assert tuple(record) == HISTORY_FIELDS, f"history record fields {tuple(record)} != HISTORY_FIELDS"
@@ -150,7 +160,8 @@ class History:
 
 def read_history(path: Path) -> list[dict]:
     """All records of a history.jsonl. A line torn by a crash (no newline after it, or followed by
-    the newline a resumed run adds) is skipped; any other bad line is an error naming it."""
+    the newline that runs before the torn line was cut off added) is skipped; any other bad line is
+    an error naming it."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []

@@ -268,7 +268,7 @@ def test_run_json_records_the_corpus_that_identifies_the_run(tmp_path, data_path
     assert corpus["heldout_chars"] == len(text) - int(len(text) * 0.9) and len(corpus["content_key"]) == 32
 
 
-def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path):
+def test_history_cuts_a_torn_last_line_off_and_continues(tmp_path):
     path = tmp_path / "history.jsonl"
     record = dict.fromkeys(HISTORY_FIELDS, 1)
     with History(path) as h:
@@ -277,4 +277,47 @@ def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path)
         f.write('{"step": 2, "chars_se')  # a crash mid-line
     with History(path) as h:
         h.append({**record, "step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3]  # as jq reads it
     assert [r["step"] for r in read_history(path)] == [1, 3]
+    path.write_text('{"step": 1, "chars')  # the only line, torn
+    History(path).close()
+    assert path.read_text() == ""
+
+
+def test_an_older_runs_torn_line_kept_on_its_own_line_still_reads_back_without_it(tmp_path):
+    path = tmp_path / "history.jsonl"
+    path.write_text(json.dumps({"step": 1}) + '\n{"step": 2, "chars_se\n' + json.dumps({"step": 3}) + "\n")
+    assert [r["step"] for r in read_history(path)] == [1, 3]
+
+
+class _Killed(BaseException):
+    """A kill, as far as this process's Python goes: no handler catches it, only `finally` blocks run."""
+
+
+def test_a_history_line_torn_by_a_kill_is_cut_off_on_resume_and_its_record_restored(tmp_path, data_path,
+                                                                                     monkeypatch, capsys):
+    full = run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="full")
+    real_append = History.append
+
+    def tearing(self, record):
+        if record["step"] == 4:  # half the line on disk, then the kill
+            self._f.write(json.dumps(record)[:40])
+            self._f.flush()
+            raise _Killed
+        real_append(self, record)
+    with monkeypatch.context() as m:
+        m.setattr(History, "append", tearing)
+        with pytest.raises(_Killed):
+            run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="torn")
+    folder = tmp_path / "runs" / "torn"
+    assert not (folder / "history.jsonl").read_text().endswith("\n")
+    assert load_checkpoint(folder / "last.pt")["record"]["step"] == 4
+
+    assert train_py.main(["--resume", str(folder)]) == 0
+    assert "history: appended the record of step 4 that a stop had cut off" in capsys.readouterr().out
+    cut = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]  # every line is JSON
+    ref = read_history(full.run_dir / "history.jsonl")
+    assert [r["step"] for r in cut] == [r["step"] for r in ref] == [2, 4, 6]
+    for a, b in zip(cut, ref):
+        for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
