@@ -231,7 +231,7 @@ class Meter:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # tensors not copied
 
 
-# Payload keys, in the order written (torch.save keeps it: the same state gives the same bytes).
+# What a resume needs beyond a model checkpoint's model, config and vocab.
 _TRAINING_KEYS = ("optimizer", "scheduler", "rng", "step", "run_name", "meter")
 
 
@@ -282,7 +282,8 @@ class Checkpoint:
             raise CheckpointError(f"{source}: not a minagi checkpoint ({e})") from None
 
     def to_payload(self) -> dict:
-        """The dict `save_checkpoint` writes (it adds `format_version`); fields that are None are left out."""
+        """The dict `save_checkpoint` writes (it adds `format_version`); fields that are None are left out.
+        Keys in the order minagi always wrote them: torch.save keeps it, so files stay the same bytes."""
         payload = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng,
                    "config": config_to_dict(self.config), "vocab": self.vocab.chars,
                    "corpus": self.corpus.to_dict() if self.corpus is not None else None, "step": self.step,

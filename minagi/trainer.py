@@ -232,7 +232,11 @@ class Trainer:
                           argv=argv, say=self.say)
         self.folder, self.run_name, self.corpus = start.folder, start.run_name, start.corpus
         self.eval_batches, self.training = start.eval_batches, start.training
-        self.state = TrainState.from_checkpoint(start.ckpt, device) if start.ckpt is not None else TrainState()
+        try:
+            self.state = TrainState.from_checkpoint(start.ckpt, device) if start.ckpt is not None else TrainState()
+        except BaseException:
+            self.folder.close()  # the lock, for a caller that goes on in this process
+            raise
         self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
                                   best_heldout_loss=self.state.best)
 

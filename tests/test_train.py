@@ -256,6 +256,19 @@ def test_a_resume_continues_the_random_streams_the_checkpoint_saved(tmp_path, da
     assert torch.equal(after_restore["torch"], saved["torch"])
 
 
+def test_a_resume_parses_the_config_of_run_json_and_of_last_pt_once_each(tmp_path, data_path, monkeypatch):
+    from minagi import checkpoint, resume
+    done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
+    parsed = []
+    for module in (checkpoint, resume):  # the only modules that parse a config dict
+        real = module.config_from_dict
+        monkeypatch.setattr(module, "config_from_dict",
+                            lambda d, source="<dict>", real=real: parsed.append(Path(source).name) or real(d, source))
+    train(*resume_config(done.run_dir, ["train.steps=4"]), done.run_dir, progress=False, log=lambda m: None,
+          argv=["test"])
+    assert sorted(parsed) == ["last.pt", "run.json"]
+
+
 def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
     done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
     with pytest.raises(ConfigError, match=r"--set model\.d_model: cannot be changed when resuming"):
