@@ -169,12 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
-        try:
-            model, vocab, payload = load_trained(path, device)
-        except VocabError as e:  # a vocabulary string that is not sorted / unique / empty
-            raise CheckpointError(f"{path}: not a usable vocabulary ({e})") from None
-        step = payload.get("step", "?")
-        del payload  # the optimizer state in it is twice the model's size; writing needs none of it
+        model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
+        step = "?" if ckpt.step is None else ckpt.step
+        del ckpt  # the optimizer state in it is twice the model's size; writing needs none of it
         prompts = choose_prompts(args, vocab)
         try:
             chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,

@@ -1,15 +1,23 @@
-"""Atomic checkpoint save, strict load, and RNG state capture / restore.
+"""The typed checkpoint, atomic save, strict load, and RNG state capture / restore.
 
-A checkpoint is a dict saved with torch.save and read back with torch.load(weights_only=True): only
-tensors and plain containers / numbers / strings, so loading never runs pickled code. The RNG states
-are therefore stored as tensors and plain lists, never as numpy arrays or tuples of foreign types.
+On disk a checkpoint is a dict (the payload) saved with torch.save and read back with
+torch.load(weights_only=True): only tensors and plain containers / numbers / strings, so loading
+never runs pickled code. The RNG states are therefore stored as tensors and plain lists, never as
+numpy arrays or tuples of foreign types.
+
+In memory it is a `Checkpoint`: `Checkpoint.from_payload` is the one place a payload is taken apart
+(a format-1 payload upgraded, the config parsed, once) and `Checkpoint.to_payload` the one place one
+is made. `save_checkpoint` / `load_checkpoint` move payloads (any plain dict) to and from a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import random
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +25,12 @@ import numpy as np
 import torch
 
 from .atomic import atomic_write
-from .config import upgrade_config_dict
+from .config import Config, ConfigError, config_from_dict, config_to_dict, upgrade_config_dict
+from .data import DataError, Vocab
+from .schedule import Schedule
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "capture_rng_state", "copy_checkpoint", "load_checkpoint",
-           "restore_rng_state", "save_checkpoint", "upgrade_payload"]
+__all__ = ["FORMAT_VERSION", "Checkpoint", "CheckpointError", "CorpusSummary", "Meter", "capture_rng_state",
+           "copy_checkpoint", "load_checkpoint", "restore_rng_state", "save_checkpoint", "upgrade_payload"]
 
 FORMAT_VERSION = 2  # 2: the [pool] config section and the pool's router / experts submodules
 
@@ -121,8 +131,9 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Read a checkpoint written by save_checkpoint; CheckpointError (one line naming the file) for a
-    missing, truncated or corrupt file, a file that is not a minagi checkpoint, or a newer format."""
+    """The payload of a file written by save_checkpoint, as stored (`Checkpoint.load` reads a checkpoint);
+    CheckpointError (one line naming the file) for a missing, truncated or corrupt file, a file that
+    is not a minagi checkpoint, or a newer format."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -149,7 +160,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format_version {version} is newer than this code reads "
                               f"({FORMAT_VERSION}); update minagi to load it")
-    return upgrade_payload(payload) if version < FORMAT_VERSION else payload
+    return payload
 
 
 # Format 1 held the pool's stacks and bias on the pool itself; format 2 in its router and experts.
@@ -174,6 +185,137 @@ def upgrade_payload(payload: dict) -> dict:
         payload["model"] = renamed
     payload["format_version"] = FORMAT_VERSION
     return payload
+
+
+# ----------------------------------------------------------------------------------------------
+# The typed checkpoint
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CorpusSummary:
+    """What identifies and describes a run's corpus: in run.json and in every checkpoint."""
+    content_key: str
+    files: int
+    vocab_size: int
+    train_chars: int
+    heldout_chars: int
+    heldout_files: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, corpus) -> "CorpusSummary":
+        """Of a loaded `data.Corpus`."""
+        return cls(corpus.content_key, len(corpus.sources), corpus.vocab.size, corpus.train_chars,
+                   corpus.heldout_chars, tuple(corpus.heldout_sources))
+
+    @property
+    def chars(self) -> int:
+        return self.train_chars + self.heldout_chars
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "heldout_files": list(self.heldout_files)}
+
+
+@dataclass(frozen=True, eq=False)
+class Meter:
+    """The training state's meters since the last record (`trainer.TrainState`), as checkpointed."""
+    loss_sum: float = 0.0
+    aux_sum: float = 0.0
+    norm_sum: float = 0.0
+    since: int = 0
+    wall_s: float = 0.0
+    eval_due: bool = False         # the evaluation of `step` is still to run
+    evals_since_best: int = 0      # format 1 had no early stop...
+    routing: dict = field(default_factory=dict)  # ... and no routing counters (`RoutingMeter.state_dict()`)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # tensors not copied
+
+
+# What a resume needs beyond a model checkpoint's model, config and vocab.
+_TRAINING_KEYS = ("optimizer", "scheduler", "rng", "step", "run_name", "meter")
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A minagi checkpoint. A model checkpoint needs only `model`, `config` and `vocab` (sampling,
+    reports, --init); a training checkpoint (a run's last.pt / best.pt, what a resume reads) has
+    every field but `corpus` (format 1 did not record it) and `record` (only an evaluation's has one)."""
+    model: dict                        # the unwrapped model's state dict: no `module.` / `_orig_mod.`
+    config: Config
+    vocab: Vocab
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    rng: dict | None = None            # `capture_rng_state()`
+    corpus: CorpusSummary | None = None
+    step: int | None = None            # optimizer steps done
+    best_heldout_loss: float = math.inf
+    run_name: str | None = None
+    meter: Meter | None = None
+    schedule: Schedule | None = None   # the learning rate the run goes on with (an extension bends it)
+    record: dict | None = None         # the history record of the evaluation that wrote it
+    source: str = ""                   # the file it was read from, for messages (not saved)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, map_location: Any = "cpu") -> "Checkpoint":
+        return cls.from_payload(load_checkpoint(path, map_location), str(path))
+
+    @classmethod
+    def from_payload(cls, payload: dict, source: str) -> "Checkpoint":
+        """A payload as `load_checkpoint` returns it (format 1 upgraded here); every problem is a
+        one-line CheckpointError naming `source`."""
+        if payload.get("format_version", FORMAT_VERSION) < FORMAT_VERSION:
+            payload = upgrade_payload(payload)
+        missing = [key for key in ("model", "config", "vocab") if key not in payload]
+        if missing:
+            raise CheckpointError(f"{source}: not a minagi model checkpoint (missing {', '.join(missing)})")
+        try:
+            config = config_from_dict(payload["config"], source=source)
+            vocab = Vocab.from_chars(payload["vocab"])
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        except DataError as e:  # a vocabulary string that is not sorted / unique / empty
+            raise CheckpointError(f"{source}: not a usable vocabulary ({e})") from None
+        try:
+            return cls(model=payload["model"], config=config, vocab=vocab, **_training_fields(payload, config),
+                       source=source)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: not a minagi checkpoint ({e})") from None
+
+    def to_payload(self) -> dict:
+        """The dict `save_checkpoint` writes (it adds `format_version`); fields that are None are left out.
+        Keys in the order minagi always wrote them: torch.save keeps it, so files stay the same bytes."""
+        payload = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "rng": self.rng,
+                   "config": config_to_dict(self.config), "vocab": self.vocab.chars,
+                   "corpus": self.corpus.to_dict() if self.corpus is not None else None, "step": self.step,
+                   "best_heldout_loss": self.best_heldout_loss, "run_name": self.run_name,
+                   "meter": self.meter.to_dict() if self.meter is not None else None,
+                   "schedule": dataclasses.asdict(self.schedule) if self.schedule is not None else None,
+                   "record": self.record}
+        return {key: value for key, value in payload.items() if value is not None}
+
+    def check_trains(self) -> None:
+        """CheckpointError unless this checkpoint can be resumed: a model checkpoint cannot."""
+        missing = [key for key in _TRAINING_KEYS if getattr(self, key) is None]
+        if missing:
+            raise CheckpointError(f"{self.source}: not a training checkpoint (no {', '.join(missing)}): it can be "
+                                  "sampled from or used with --init, not resumed")
+
+
+def _training_fields(payload: dict, config: Config) -> dict:
+    """The fields of `Checkpoint` beyond the model's, with format 1's gaps filled."""
+    fields = {key: payload[key] for key in ("optimizer", "scheduler", "rng", "step", "run_name", "record")
+              if key in payload}
+    if "best_heldout_loss" in payload:
+        fields["best_heldout_loss"] = float(payload["best_heldout_loss"])
+    if payload.get("corpus") is not None:
+        corpus = dict(payload["corpus"])
+        fields["corpus"] = CorpusSummary(**{**corpus, "heldout_files": tuple(corpus.get("heldout_files", ()))})
+    if "meter" in payload:
+        fields["meter"] = Meter(**payload["meter"])
+    tc = config.train  # checkpoints before the schedule was saved trained with their config's
+    fields["schedule"] = (Schedule(**payload["schedule"]) if "schedule" in payload
+                          else Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio))
+    return fields
 
 
 # ----------------------------------------------------------------------------------------------

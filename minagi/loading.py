@@ -1,50 +1,64 @@
-"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), and
-start a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init)."""
+"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), start
+a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init), and load a
+state dict into a model with one-line errors naming the tensor at fault (`load_weights`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, load_checkpoint
-from .config import ConfigError, config_from_dict
+from .checkpoint import Checkpoint, CheckpointError
 from .data import Vocab
 from .model import CharLM, build_model
 
+_LISTED = 3  # tensor names a message lists before "(+N more)"
 
-def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, dict]:
-    """(model in eval mode on `device`, its vocabulary, the checkpoint payload).
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:_LISTED]) + (f" (+{len(keys) - _LISTED} more)" if len(keys) > _LISTED else "")
+
+
+def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> None:
+    """`model.load_state_dict(state)`, strict; CheckpointError naming the tensors missing from `state`,
+    the ones the model has no place for, or the first whose shape differs."""
+    expected = model.state_dict().keys()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    if missing or unexpected:
+        parts = ([f"lacks {_names(missing)}"] if missing else []) + \
+                ([f"has {_names(unexpected)}, which the model has no place for"] if unexpected else [])
+        raise CheckpointError(f"{source}: the weights do not fit the model its config describes: it "
+                              f"{'; it '.join(parts)}")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # torch's header line, then one line per tensor ("size mismatch for ...")
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CheckpointError(f"{source}: the weights do not fit the model its config describes "
+                              f"({lines[1] if len(lines) > 1 else lines[0] if lines else e})") from None
+
+
+def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, Checkpoint]:
+    """(model in eval mode on `device`, its vocabulary, the checkpoint).
 
     Every problem is a one-line CheckpointError naming the file. Checkpoints of format 1 (before the
     [pool] section) are read through `checkpoint.upgrade_payload`.
     """
-    payload = load_checkpoint(path, map_location="cpu")
-    missing = [key for key in ("model", "config", "vocab") if key not in payload]
-    if missing:
-        raise CheckpointError(f"{path}: not a minagi model checkpoint (missing {', '.join(missing)})")
-    try:
-        cfg = config_from_dict(payload["config"], source=str(path))
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
-    vocab = Vocab.from_chars(payload["vocab"])
-    model = build_model(cfg.model, cfg.pool, vocab.size, device, dense_width=cfg.dense_width, experts=cfg.experts,
-                        init_frozen=False)
-    try:
-        model.load_state_dict(payload["model"])
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{path}: the weights do not fit the model its config describes ({first})") from None
-    return model.eval(), vocab, payload
+    ckpt = Checkpoint.load(path, map_location="cpu")
+    cfg = ckpt.config
+    model = build_model(cfg.model, cfg.pool, ckpt.vocab.size, device, dense_width=cfg.dense_width,
+                        experts=cfg.experts, init_frozen=False)
+    load_weights(model, ckpt.model, path)
+    return model.eval(), ckpt.vocab, ckpt
 
 
 @torch.no_grad()
-def init_from_checkpoint(model: CharLM, payload: dict, path: str | Path) -> list[str]:
+def init_from_checkpoint(model: CharLM, ckpt: Checkpoint, path: str | Path) -> list[str]:
     """A trained checkpoint's weights into a newly built `model`: every tensor by name and shape;
     a trainable expert stack into a frozen one is quantized on the way. Returns the tensors the
     checkpoint did not have and the model starts fresh (LoRA adapters). Any other difference is a
     one-line CheckpointError naming the tensor."""
     from .frozen import frozen_stacks
-    state = payload["model"]
+    state = ckpt.model
     frozen = frozen_stacks(model)
     saved = model.state_dict(keep_vars=True).keys()  # not the buffers a model remakes (RoPE tables)
     targets = {**dict(model.named_parameters()), **{k: b for k, b in model.named_buffers() if k in saved}}

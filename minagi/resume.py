@@ -1,16 +1,23 @@
 """What a resumed run checks before it goes on: its config (only RESUMABLE_KEYS may change), its
-checkpoint against the steps asked for, and its corpus (the same content, wherever it is now)."""
+checkpoint against the steps asked for, and its corpus (the same content, wherever it is now). Each
+refusal says what to do instead: a run stopped before its first checkpoint is started again, a
+corpus that moved is pointed at with --data."""
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
-from .checkpoint import load_checkpoint
-from .config import RESUMABLE_KEYS, Config, ConfigError, apply_overrides, config_from_dict, config_to_dict, \
-    upgrade_config_dict
-from .data import DataError, file_content_key
-from .runlog import read_run_info
+from .checkpoint import Checkpoint, CheckpointError
+from .config import RESUMABLE_KEYS, Config, ConfigError, DataConfig, apply_overrides, config_from_dict, \
+    config_to_dict, upgrade_config_dict
+from .data import Corpus, DataError, Vocab, VocabError, file_content_key, load_corpus
+from .runlog import read_history, read_run_info
 
-__all__ = ["check_same_corpus", "corpus_summary", "describe_corpus", "open_checkpoint", "resume_config"]
+__all__ = ["check_same_corpus", "describe_corpus", "load_run_corpus", "open_checkpoint", "resume_config"]
+
+
+def _start_again(run_dir: Path) -> str:
+    return f"start it again with its settings and --run-name {run_dir.name} (under train.out_dir {run_dir.parent})"
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, str]:
@@ -20,6 +27,9 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
     """
     run_dir = Path(run_dir)
     if not (run_dir / "run.json").is_file():
+        if run_dir.is_dir() and {p.name for p in run_dir.iterdir() if ".tmp-" not in p.name} <= {"run.lock"}:
+            raise ConfigError(f"--resume {run_dir}: no run.json there: the run stopped before it began, so "
+                              f"there is nothing to resume; {_start_again(run_dir)}")
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
     cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
@@ -41,27 +51,57 @@ def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:
                                   "change on resume", f"{section}.{key}")
 
 
-def open_checkpoint(run_dir: Path, cfg: Config) -> dict:
+def open_checkpoint(run_dir: Path, cfg: Config) -> Checkpoint:
     """last.pt of the run to resume, checked against `cfg` and `train.steps`."""
-    ckpt = load_checkpoint(run_dir / "last.pt", map_location="cpu")
-    _check_resumed_config(cfg, config_from_dict(ckpt["config"], source=str(run_dir / "last.pt")),
-                          str(run_dir / "last.pt"))
+    path = run_dir / "last.pt"
+    history = run_dir / "history.jsonl"
+    if not path.exists() and not (history.exists() and read_history(history)):
+        raise CheckpointError(f"{path}: no such checkpoint file: the run stopped before its first checkpoint "
+                              f"(step {min(cfg.train.eval_every, cfg.train.steps)}), so there is nothing to "
+                              f"resume; {_start_again(run_dir)}")
+    ckpt = Checkpoint.load(path, map_location="cpu")
+    ckpt.check_trains()
+    _check_resumed_config(cfg, ckpt.config, str(path))
     # At train.steps with its evaluation still due (Ctrl-C stopped it), the resume only runs that.
-    if ckpt["step"] > cfg.train.steps or (ckpt["step"] == cfg.train.steps
-                                          and not ckpt["meter"].get("eval_due", False)):
+    if ckpt.step > cfg.train.steps or (ckpt.step == cfg.train.steps and not ckpt.meter.eval_due):
         raise ConfigError(f"train.steps = {cfg.train.steps}: the run in {run_dir} is already at step "
-                          f"{ckpt['step']}; extend it with --set train.steps=<more>", "train.steps")
+                          f"{ckpt.step}; extend it with --set train.steps=<more>", "train.steps")
     return ckpt
 
 
-def corpus_summary(corpus) -> dict:
-    """What identifies and describes a run's corpus: in run.json and in every checkpoint."""
-    return {"content_key": corpus.content_key, "files": len(corpus.sources), "vocab_size": corpus.vocab.size,
-            "train_chars": corpus.train_chars, "heldout_chars": corpus.heldout_chars,
-            "heldout_files": list(corpus.heldout_sources)}
+def _exists(path: str) -> bool:
+    """Whether a data path names something: a file, a folder, or a glob that matches ("": the standard library)."""
+    if not path:
+        return True
+    if glob.has_magic(path):
+        return bool(glob.glob(str(Path(path).expanduser()), recursive=True))
+    return Path(path).expanduser().exists()
 
 
-def describe_corpus(corpus, path: str) -> str:
+def load_run_corpus(data: DataConfig, vocab: Vocab | None, *, resumed: Path | None = None,
+                    init: str | Path | None = None) -> Corpus:
+    """`load_corpus` of a run: with the vocabulary of the run it resumes (`resumed`: its folder) or of
+    the checkpoint it starts from (`init`), whose errors then say what to do."""
+    try:
+        return load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=vocab,
+                           strip_gutenberg=data.strip_gutenberg, heldout_files=data.heldout_files)
+    except VocabError as e:
+        if resumed is not None:
+            raise VocabError(f"{e}; the run in {resumed} knows only the {vocab.size} characters of its corpus: "
+                             "resume with --data pointing at the run's corpus (text with new characters is "
+                             "a new run)") from None
+        if init is not None:
+            raise VocabError(f"{e}; --init {init}: a run started from a checkpoint keeps its vocabulary "
+                             f"({vocab.size} characters)") from None
+        raise
+    except DataError as e:
+        if resumed is None or _exists(data.path):
+            raise
+        raise DataError(f"{e}; the run in {resumed} trained on it: if its corpus moved, resume with --data "
+                        "pointing at where it is now") from None
+
+
+def describe_corpus(corpus: Corpus, path: str) -> str:
     """One line for the start of a run: what it trains on and what it holds out."""
     where = path or "the standard library's .py files"
     held = (f"{len(corpus.heldout_sources)} whole files ({', '.join(corpus.heldout_sources[:4])}"
@@ -71,21 +111,19 @@ def describe_corpus(corpus, path: str) -> str:
             f"vocabulary {corpus.vocab.size}; held out: {held}, {corpus.heldout_chars:,} characters")
 
 
-def check_same_corpus(corpus, ckpt: dict, path: str, source: Path) -> None:
+def check_same_corpus(corpus: Corpus, ckpt: Checkpoint, path: str, source: Path) -> None:
     """A resume trains on the run's corpus: the same content key (files, bytes, split options)."""
-    saved = (ckpt.get("corpus") or {}).get("content_key")
+    saved = ckpt.corpus
     if saved is None:  # format 1 did not record it
         return
-    data = config_from_dict(ckpt["config"], source=str(source)).data
-    run_path = data.path
-    if saved != corpus.content_key and not (  # a renamed copy of a one-file corpus is the same corpus
-            len(corpus.sources) == 1 and ckpt["corpus"]["files"] == 1 and run_path and Path(path).is_file()
-            and file_content_key(path, Path(run_path).name, data.heldout_fraction,
-                                 strip_gutenberg=data.strip_gutenberg) == saved):
+    data = ckpt.config.data  # where the checkpoint's own steps read it
+    if saved.content_key != corpus.content_key and not (  # a renamed copy of a one-file corpus is the same corpus
+            len(corpus.sources) == 1 and saved.files == 1 and data.path and Path(path).is_file()
+            and file_content_key(path, Path(data.path).name, data.heldout_fraction,
+                                 strip_gutenberg=data.strip_gutenberg) == saved.content_key):
         raise DataError(f"data.path {path or '(the standard library)'}: its content (key {corpus.content_key}, "
                         f"{len(corpus.sources)} files, {corpus.train_chars + corpus.heldout_chars:,} characters) "
                         f"differs from the corpus of the run in {source.parent} "
-                        f"({run_path or '(the standard library)'} when it trained: key {saved}, "
-                        f"{ckpt['corpus']['files']} files, "
-                        f"{ckpt['corpus']['train_chars'] + ckpt['corpus']['heldout_chars']:,} characters); "
+                        f"({data.path or '(the standard library)'} when it trained: key {saved.content_key}, "
+                        f"{saved.files} files, {saved.chars:,} characters); "
                         "resume with --data pointing at the run's corpus")

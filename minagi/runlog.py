@@ -2,11 +2,13 @@
 last.pt / best.pt, and the lock that makes one process its owner (`RunFolder`).
 
 history.jsonl is opened in append mode and every line is flushed and fsynced as it is written, so a
-crash loses at most the line being written (and the checkpoint that carries it gives it back on
-resume); a resumed run simply continues the file.
+crash loses at most the line being written: the next start cuts that torn line off (so every line
+stays JSON for jq or json.loads), and the checkpoint that carries its record gives it back (`reconcile`);
+a resumed run simply continues the file.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_write, stale_temp_files
-from .checkpoint import copy_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, copy_checkpoint, save_checkpoint
 
 __all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
            "write_run_info"]
@@ -118,15 +120,24 @@ class History:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
+        if self.path.exists():
+            self._cut_torn_line()
         self._f = open(self.path, "a", encoding="utf-8")
-        if torn:  # a crash mid-line: keep the fragment on its own line rather than glue a record to it
-            self._f.write("\n")
 
-    def _ends_with_newline(self) -> bool:
-        with open(self.path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
+    def _cut_torn_line(self) -> None:
+        """A crash mid-line leaves a last line without its newline: cut it off (its record is in the
+        checkpoint that was written before it: `RunFolder.reconcile`)."""
+        with open(self.path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(0)
+            f.truncate(f.read().rfind(b"\n") + 1)  # 0 when the torn line is the only one
+            f.flush()
+            os.fsync(f.fileno())
 
     def append(self, record: dict) -> None:
         assert tuple(record) == HISTORY_FIELDS, f"history record fields {tuple(record)} != HISTORY_FIELDS"
@@ -149,7 +160,8 @@ class History:
 
 def read_history(path: Path) -> list[dict]:
     """All records of a history.jsonl. A line torn by a crash (no newline after it, or followed by
-    the newline a resumed run adds) is skipped; any other bad line is an error naming it."""
+    the newline that runs before the torn line was cut off added) is skipped; any other bad line is
+    an error naming it."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []
@@ -208,11 +220,19 @@ class RunFolder:
     def claim(self) -> list[Path]:
         """Create the folder if needed, take its lock, remove temporary files of dead processes
         (returned). RunFolderError when another process holds the lock."""
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]  # deepest first
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock(self.path / "run.lock")
         except OSError as err:
             raise RunFolderError(_describe_os_error(self.path, err)) from None
-        self._lock_fd = _lock(self.path / "run.lock")
+        except _LockNotMade:  # a full disk: leave none of the folders made for this run
+            for folder in made:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break  # not empty: another process's now
+            raise
         self.removed = stale_temp_files(self.path)
         for p in self.removed:
             p.unlink(missing_ok=True)
@@ -223,9 +243,9 @@ class RunFolder:
         self._guard(self.path / "run.json", lambda: write_run_info(self.path, **run_info))
         self.history = History(self.path / "history.jsonl")
 
-    def save_last(self, payload: dict) -> None:
-        self._guard(self.last, lambda: save_checkpoint(self.last, payload), self.kept())
-        self.last_step = payload["step"]
+    def save_last(self, ckpt: Checkpoint) -> None:
+        self._guard(self.last, lambda: save_checkpoint(self.last, ckpt.to_payload()), self.kept())
+        self.last_step = ckpt.step
 
     def kept(self) -> str:
         """What last.pt holds now, for messages about a failure."""
@@ -233,9 +253,9 @@ class RunFolder:
             return f"{self.last} keeps the last good checkpoint (step {self.last_step})"
         return f"{self.last} keeps the last good checkpoint" if self.last.exists() else "no checkpoint was written"
 
-    def write_evaluation(self, payload: dict, record: dict, improved: bool) -> None:
+    def write_evaluation(self, ckpt: Checkpoint, record: dict, improved: bool) -> None:
         """last.pt carrying `record`, best.pt when `improved`, then the history line."""
-        self.save_last({**payload, "record": record})
+        self.save_last(dataclasses.replace(ckpt, record=record))
         if improved:
             self._guard(self.best, lambda: copy_checkpoint(self.last, self.best))
         self._guard(self.history.path, lambda: self.history.append(record))
@@ -277,12 +297,17 @@ class RunFolder:
 
 
 
+class _LockNotMade(RunFolderError):
+    """run.lock could not be created or our pid not written in it (a full disk): nothing of it is left."""
+
+
 def _lock(path: Path) -> int:
     """Open and lock `path` without waiting; write our pid after byte 0 (the byte Windows locks)."""
+    existed = path.exists()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise RunFolderError(_describe_os_error(path, err)) from None
+        raise _LockNotMade(_describe_os_error(path, err)) from None
     try:
         if sys.platform == "win32":
             import msvcrt
@@ -299,8 +324,10 @@ def _lock(path: Path) -> int:
         os.ftruncate(fd, 0)
         os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
     except OSError as err:  # a full disk: say so rather than train without a named owner
+        if not existed:
+            path.unlink(missing_ok=True)  # still holding the lock: no other run is in it
         os.close(fd)
-        raise RunFolderError(_describe_os_error(path, err)) from None
+        raise _LockNotMade(_describe_os_error(path, err)) from None
     return fd
 
 

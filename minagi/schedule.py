@@ -6,9 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import config_from_dict
-
-__all__ = ["Schedule", "as_function", "lr_factor", "planned_schedule"]
+__all__ = ["Schedule", "as_function", "lr_factor"]
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -28,7 +26,7 @@ class Schedule:
     down to min_ratio at the new `total`. So the rate never jumps at a resume; a finished run, extended,
     goes on at its floor. (A fresh warmup and cosine is a new run: --init from the checkpoint.) A run
     still warming up keeps its warmup, which does not depend on train.steps, and a cosine to the new end.
-    Checkpoints carry it (`checkpoint_payload`), so a second extension bends the first one's curve.
+    Checkpoints carry it (`Checkpoint.schedule`), so a second extension bends the first one's curve.
     """
     total: int
     warmup: int
@@ -57,10 +55,3 @@ def as_function(schedule: Schedule) -> Callable[[int], float]:
     # plain function: a function keeps the schedule out of the scheduler's state, which is ours to set.
     return lambda step: schedule(step)
 
-
-def planned_schedule(ckpt: dict) -> Schedule:
-    """The schedule a checkpoint's run trained with (checkpoints before `schedule` was saved: its config's)."""
-    if "schedule" in ckpt:
-        return Schedule(**ckpt["schedule"])
-    tc = config_from_dict(ckpt["config"], source="checkpoint").train
-    return Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train as train_py
-from minagi import distributed, trainer
+from minagi import assemble, distributed, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import load_config
 from minagi.runlog import read_history
@@ -56,12 +56,12 @@ import os, sys, time, types
 sys.path.insert(0, os.getcwd())
 import torch
 import train as train_py
-from minagi import trainer
+from minagi import assemble, start, trainer
 
 out_dir, freeze, argv = sys.argv[1], sys.argv[2] == "freeze", sys.argv[3:]
 rank = int(os.environ["RANK"])
 seen = {}
-real_build, real_train = trainer.build_model, trainer.train
+real_build, real_train = assemble.build_model, trainer.train
 
 def build_model(*args, **kwargs):
     model = real_build(*args, **kwargs)
@@ -74,10 +74,9 @@ def train(*args, **kwargs):
     seen["result"] = result = real_train(*args, **kwargs)
     return result
 
-trainer.build_model, trainer.train = build_model, train
+assemble.build_model, trainer.train = build_model, train
 if rank == 1:  # rank 1's clock says another second: its own name would be another folder
-    trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter,
-                                         strftime=lambda fmt: "19990101-000000")
+    start.time = types.SimpleNamespace(perf_counter=time.perf_counter, strftime=lambda fmt: "19990101-000000")
 code = train_py.main(argv)
 if "result" in seen:
     result = seen["result"]
@@ -207,13 +206,13 @@ def test_two_ranks_train_with_a_frozen_expert_stack_and_loop_dispatch(tmp_path, 
     # upset DDP (no find_unused_parameters), and the frozen stack must stay as initialised.
     s = Setup(tmp_path)
     sets = ("model.n_rows=2", "pool.dispatch=loop", "train.steps=3", "train.eval_every=3")
-    real_build = trainer.build_model
+    real_build = assemble.build_model
 
     def frozen_build(*args, **kwargs):
         model = real_build(*args, **kwargs)
         model.rows[0].mlp.experts.gate_up.requires_grad_(False)
         return model
-    monkeypatch.setattr(trainer, "build_model", frozen_build)
+    monkeypatch.setattr(assemble, "build_model", frozen_build)
     ref = s.one_process(*sets, run_name="one")
     r0, r1, _ = s.torchrun("frozen", "--profile", str(s.profile), "--data", str(s.data), "--run-name", "two",
                            *[arg for item in sets for arg in ("--set", item)], freeze=True)

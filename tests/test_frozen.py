@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from minagi import recompute
-from minagi.checkpoint import load_checkpoint
+from minagi.checkpoint import Checkpoint, load_checkpoint
 from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
 from minagi.experts import StackServices
 from minagi.frozen import FrozenStack, dequant_summary, frozen_stacks
@@ -200,7 +200,7 @@ def test_init_quantizes_a_trained_runs_stacks_and_lora_lowers_the_held_out_loss(
     # The held-out loss of the freshly quantized model, then after training (LoRA and the rest).
     cfg = _frozen_cfg(tmp, "probe")
     start = build_model(cfg.model, cfg.pool, model.vocab_size, "cpu", experts=cfg.experts, init_frozen=False)
-    init_from_checkpoint(start, load_checkpoint(base.run_dir / "best.pt"), "best.pt")
+    init_from_checkpoint(start, Checkpoint.load(base.run_dir / "best.pt"), "best.pt")
     corpus = load_corpus(cfg.data.path, cfg.data.heldout_fraction, cfg.data.cache_dir)
     batches = heldout_batches(corpus.heldout_ids, cfg.train.batch_size, cfg.model.context, cfg.train.eval_batches,
                               cfg.train.seed)
@@ -244,9 +244,9 @@ def test_init_from_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(t
     model = build_model(ModelConfig(n_rows=1, d_model=32, n_heads=2, context=16),
                         PoolConfig(n_experts=4, top_k=2, d_expert=64), 30, "cpu",
                         experts=ExpertsConfig(frozen=True, blocksize=32), init_frozen=False)
-    payload = load_checkpoint(base.run_dir / "best.pt")
+    ckpt = Checkpoint.load(base.run_dir / "best.pt")
     with pytest.raises(Exception) as err:
-        init_from_checkpoint(model, payload, base.run_dir / "best.pt")
+        init_from_checkpoint(model, ckpt, base.run_dir / "best.pt")
     message = str(err.value)
     assert "\n" not in message and "best.pt: " in message and ("embed.weight" in message or "experts" in message)
 

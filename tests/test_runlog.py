@@ -76,8 +76,8 @@ def test_a_run_claims_its_folder_before_reading_it_and_lets_go_when_it_ends_or_f
     done = run_tiny(tmp_path, data_path)
     extended, profile = trainer.resume_config(done.run_dir, ["train.steps=8"])
     reads = []
-    real_load = trainer.load_checkpoint
-    monkeypatch.setattr(trainer, "load_checkpoint", lambda *a, **k: reads.append(a) or real_load(*a, **k))
+    real_load = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: reads.append(a) or real_load(*a, **k))
     held = RunFolder(done.run_dir)
     held.claim()  # as another process would: flock locks an open file, whoever opened it
     try:
@@ -205,6 +205,35 @@ def test_a_full_disk_is_one_line_naming_the_file_exit_2_and_leaves_the_last_good
         assert [r["step"] for r in read_history(folder / "history.jsonl")] == [2, 4, 6]
 
 
+class _OsOfAFullDisk:
+    """runlog's `os`, on a disk with no room left: os.write fails (the lock's pid) as the kernel's would."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_at_the_lock_write_is_one_line_and_leaves_no_folder_behind(tmp_path, data_path, monkeypatch,
+                                                                               capsys):
+    argv = tiny_argv(tmp_path, data_path, run_name="full")
+    folder = tmp_path / "runs" / "full"
+    with monkeypatch.context() as m:
+        m.setattr(runlog, "os", _OsOfAFullDisk())
+        assert train_py.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {folder / 'run.lock'}: cannot write: no space left on device"]
+    assert not (tmp_path / "runs").exists()  # neither the run folder nor the out_dir it made
+    assert train_py.main(argv) == 0
+    before = sorted(p.name for p in folder.iterdir())
+    with monkeypatch.context() as m:  # a resume on a full disk: the run's folder and its run.lock stay
+        m.setattr(runlog, "os", _OsOfAFullDisk())
+        assert train_py.main(["--resume", str(folder), "--set", "train.steps=8"]) == 2
+    assert sorted(p.name for p in folder.iterdir()) == before and "run.lock" in before
+
+
 # ------------------------------------------------------------------------------ the directory fsync
 
 def test_a_checkpoint_write_fsyncs_its_directory_after_the_rename(tmp_path, monkeypatch):
@@ -239,7 +268,7 @@ def test_run_json_records_the_corpus_that_identifies_the_run(tmp_path, data_path
     assert corpus["heldout_chars"] == len(text) - int(len(text) * 0.9) and len(corpus["content_key"]) == 32
 
 
-def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path):
+def test_history_cuts_a_torn_last_line_off_and_continues(tmp_path):
     path = tmp_path / "history.jsonl"
     record = dict.fromkeys(HISTORY_FIELDS, 1)
     with History(path) as h:
@@ -248,4 +277,47 @@ def test_history_continues_after_a_torn_line_and_reads_back_without_it(tmp_path)
         f.write('{"step": 2, "chars_se')  # a crash mid-line
     with History(path) as h:
         h.append({**record, "step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3]  # as jq reads it
     assert [r["step"] for r in read_history(path)] == [1, 3]
+    path.write_text('{"step": 1, "chars')  # the only line, torn
+    History(path).close()
+    assert path.read_text() == ""
+
+
+def test_an_older_runs_torn_line_kept_on_its_own_line_still_reads_back_without_it(tmp_path):
+    path = tmp_path / "history.jsonl"
+    path.write_text(json.dumps({"step": 1}) + '\n{"step": 2, "chars_se\n' + json.dumps({"step": 3}) + "\n")
+    assert [r["step"] for r in read_history(path)] == [1, 3]
+
+
+class _Killed(BaseException):
+    """A kill, as far as this process's Python goes: no handler catches it, only `finally` blocks run."""
+
+
+def test_a_history_line_torn_by_a_kill_is_cut_off_on_resume_and_its_record_restored(tmp_path, data_path,
+                                                                                     monkeypatch, capsys):
+    full = run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="full")
+    real_append = History.append
+
+    def tearing(self, record):
+        if record["step"] == 4:  # half the line on disk, then the kill
+            self._f.write(json.dumps(record)[:40])
+            self._f.flush()
+            raise _Killed
+        real_append(self, record)
+    with monkeypatch.context() as m:
+        m.setattr(History, "append", tearing)
+        with pytest.raises(_Killed):
+            run_tiny(tmp_path, data_path, "train.eval_every=2", run_name="torn")
+    folder = tmp_path / "runs" / "torn"
+    assert not (folder / "history.jsonl").read_text().endswith("\n")
+    assert load_checkpoint(folder / "last.pt")["record"]["step"] == 4
+
+    assert train_py.main(["--resume", str(folder)]) == 0
+    assert "history: appended the record of step 4 that a stop had cut off" in capsys.readouterr().out
+    cut = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]  # every line is JSON
+    ref = read_history(full.run_dir / "history.jsonl")
+    assert [r["step"] for r in cut] == [r["step"] for r in ref] == [2, 4, 6]
+    for a, b in zip(cut, ref):
+        for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)

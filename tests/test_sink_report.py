@@ -33,10 +33,10 @@ def ckpt(tmp_path_factory) -> Path:
 
 def _table(ckpt: Path, n_batches: int = EVAL_BATCHES, top: int = 5) -> tuple[dict, list[dict]]:
     """The report's data the way main builds it: the run's own held-out batches."""
-    model, vocab, payload = load_trained(ckpt)
-    data = payload["config"]["data"]
-    corpus = load_corpus(data["path"], data["heldout_fraction"], data["cache_dir"], vocab=vocab)
-    batches = heldout_batches(corpus.heldout_ids, BATCH, CONTEXT, n_batches, payload["config"]["train"]["seed"])
+    model, vocab, loaded = load_trained(ckpt)
+    data = loaded.config.data
+    corpus = load_corpus(data.path, data.heldout_fraction, data.cache_dir, vocab=vocab)
+    batches = heldout_batches(corpus.heldout_ids, BATCH, CONTEXT, n_batches, loaded.config.train.seed)
     diagnostics = sink_report.route_heldout(model, batches, "cpu")
     return sink_report.sink_table(diagnostics, K, model.pool_cfg.sink_ratio, top), diagnostics
 

@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import train as train_py
-from minagi import runlog, trainer
+from minagi import runlog, start, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
 from minagi.model import CharLM
@@ -150,6 +151,32 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
 
 
+def test_ctrl_c_during_the_optimizer_update_saves_last_pt_at_that_step_and_resumes_exactly(tmp_path, data_path,
+                                                                                         monkeypatch):
+    # The update takes milliseconds: a Ctrl-C in it waits for its end, then last.pt holds the new step
+    # (it used to save nothing: "interrupted during the update of step 3; last.pt is unchanged").
+    extra = ("train.eval_every=4",)
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    real_step, calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # SIGINT from inside step 3's update, handled before its first parameter moves
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self, *args, **kwargs)
+    lines = []
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", step)  # before the optimizer is made: its scheduler wraps this
+        cut = train(tiny_cfg(tmp_path, data_path, *extra, run_name="cut"), "tiny", progress=False, log=lines.append,
+                    argv=["test"])
+    assert cut.interrupted and cut.step == 3 and len(cut.losses) == 3
+    assert lines[-1] == f"interrupted: saved {cut.run_dir / 'last.pt'} at step 3; continue with --resume {cut.run_dir}"
+    assert load_checkpoint(cut.run_dir / "last.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    rest = train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert cut.losses + rest.losses == full.losses and rest.heldout_loss == full.heldout_loss
+
+
 def test_extending_a_finished_run_with_train_steps_equals_running_longer(tmp_path, data_path):
     # A flat schedule after warmup (min_lr_ratio=1): then the lr does not depend on train.steps and
     # "6 steps, extended to 10" must be the same run as "10 steps". (With a cosine the extension
@@ -217,16 +244,29 @@ def test_a_resume_continues_the_random_streams_the_checkpoint_saved(tmp_path, da
     np.random.seed(99)
     torch.manual_seed(99)
     after_restore = {}
-    real = trainer.restore_training
+    real = start.restore_training
 
     def restoring(training, ckpt):
         note = real(training, ckpt)
         after_restore.update(trainer.capture_rng_state())
         return note
-    monkeypatch.setattr(trainer, "restore_training", restoring)
+    monkeypatch.setattr(start, "restore_training", restoring)
     train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
     assert after_restore["python"] == saved["python"] and after_restore["numpy"] == saved["numpy"]
     assert torch.equal(after_restore["torch"], saved["torch"])
+
+
+def test_a_resume_parses_the_config_of_run_json_and_of_last_pt_once_each(tmp_path, data_path, monkeypatch):
+    from minagi import checkpoint, resume
+    done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
+    parsed = []
+    for module in (checkpoint, resume):  # the only modules that parse a config dict
+        real = module.config_from_dict
+        monkeypatch.setattr(module, "config_from_dict",
+                            lambda d, source="<dict>", real=real: parsed.append(Path(source).name) or real(d, source))
+    train(*resume_config(done.run_dir, ["train.steps=4"]), done.run_dir, progress=False, log=lambda m: None,
+          argv=["test"])
+    assert sorted(parsed) == ["last.pt", "run.json"]
 
 
 def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
@@ -507,6 +547,87 @@ def test_a_resume_finds_its_corpus_from_any_directory_and_refuses_one_whose_cont
     assert train_py.main(["--resume", str(run_dir), "--data", "copy.txt", "--set", "train.steps=10"]) == 0
     assert json.loads((run_dir / "run.json").read_text())["config"]["data"]["path"] == str(copy)
     assert [r["step"] for r in read_history(run_dir / "history.jsonl")] == [3, 6, 8, 9, 10]
+
+
+# ------------------------------------------------------------------------------ dead ends: each refusal says what to do
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_start_it_again(tmp_path, data_path,
+                                                                                       monkeypatch, capsys):
+    argv = tiny_argv(tmp_path, data_path, run_name="early")
+    with monkeypatch.context() as m:
+        _nan_at_training_call(m, 2)  # as a kill or a full disk before step 3 would: run.json, no last.pt
+        assert train_py.main(argv) == 3
+    capsys.readouterr()
+    run_dir = tmp_path / "runs" / "early"
+    assert train_py.main(["--resume", str(run_dir)]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: {run_dir / 'last.pt'}: no such checkpoint file: the run stopped before its "
+                           "first checkpoint (step 3), so there is nothing to resume; start it again with its "
+                           "settings and --run-name early"), line
+    assert train_py.main(argv) == 0  # and so it does, in the same folder
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 6
+
+    stopped = tmp_path / "runs" / "before"  # a kill while the corpus loaded: only the lock was made
+    runlog.RunFolder(stopped).claim()
+    assert train_py.main(["--resume", str(stopped)]) == 2
+    assert "the run stopped before it began, so there is nothing to resume; start it again with its settings " \
+           "and --run-name before" in _one_error_line(capsys)
+
+
+def test_a_resume_whose_corpus_moved_or_gained_characters_says_to_point_data_at_the_runs_corpus(tmp_path, capsys):
+    corpus = write_tiny_text(tmp_path)
+    assert train_py.main(tiny_argv(tmp_path, corpus, run_name="moved")) == 0
+    run_dir = tmp_path / "runs" / "moved"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    corpus.rename(elsewhere / corpus.name)
+    capsys.readouterr()
+    assert train_py.main(["--resume", str(run_dir), "--set", "train.steps=8"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: data path '{corpus}' does not exist") and line.endswith(
+        f"; the run in {run_dir} trained on it: if its corpus moved, resume with --data pointing at where it is now")
+
+    grown = tmp_path / "grown.txt"
+    grown.write_text(tiny_text() + "Zébra\n")
+    assert train_py.main(["--resume", str(run_dir), "--data", str(grown), "--set", "train.steps=8"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: {grown}: 2 character(s) not in the vocabulary (") and line.endswith(
+        f"; the run in {run_dir} knows only the {len(set(tiny_text()))} characters of its corpus: resume with "
+        "--data pointing at the run's corpus (text with new characters is a new run)"), line
+    # A new run from the run's weights keeps its vocabulary too.
+    assert train_py.main(tiny_argv(tmp_path, grown, run_name="from") + ["--init", str(run_dir / "last.pt")]) == 2
+    assert _one_error_line(capsys).endswith(f"; --init {run_dir / 'last.pt'}: a run started from a checkpoint "
+                                            f"keeps its vocabulary ({len(set(tiny_text()))} characters)")
+    assert train_py.main(["--resume", str(run_dir), "--data", str(elsewhere / corpus.name),
+                          "--set", "train.steps=8"]) == 0
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_a_checkpoint_whose_tensors_do_not_fit_names_them_on_resume_and_on_load(tmp_path, data_path, capsys,
+                                                                                change):
+    from minagi.checkpoint import CheckpointError, save_checkpoint
+    from minagi.loading import load_trained
+    done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
+    payload = load_checkpoint(done.run_dir / "last.pt")
+    if change == "missing":
+        del payload["model"]["rows.0.attn.qkv.weight"]
+        expected = "the weights do not fit the model its config describes: it lacks rows.0.attn.qkv.weight"
+    else:
+        payload["model"]["rows.0.attn.extra"] = torch.zeros(2)
+        expected = ("the weights do not fit the model its config describes: it has rows.0.attn.extra, which the "
+                    "model has no place for")
+    save_checkpoint(done.run_dir / "last.pt", {k: v for k, v in payload.items() if k != "format_version"})
+    assert train_py.main(["--resume", str(done.run_dir), "--set", "train.steps=4"]) == 2
+    assert _one_error_line(capsys) == f"error: {done.run_dir / 'last.pt'}: {expected}"
+    with pytest.raises(CheckpointError) as err:
+        load_trained(done.run_dir / "last.pt")
+    assert str(err.value) == f"{done.run_dir / 'last.pt'}: {expected}"
 
 
 @pytest.fixture(scope="module")

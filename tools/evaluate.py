@@ -31,7 +31,7 @@ from tqdm import tqdm  # noqa: E402
 
 from minagi import devices  # noqa: E402
 from minagi.checkpoint import CheckpointError  # noqa: E402
-from minagi.config import ConfigError, config_from_dict  # noqa: E402
+from minagi.config import ConfigError  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
 from minagi.gutenberg import MarkersMissing, strip_gutenberg  # noqa: E402
 from minagi.loading import load_trained  # noqa: E402
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--batch must be positive, got {args.batch}")
     try:
         device = devices.choose_device(args.device, "--device")
-        model, vocab, payload = load_trained(args.checkpoint, device)
-        context = config_from_dict(payload["config"], source=args.checkpoint).model.context
+        model, vocab, ckpt = load_trained(args.checkpoint, device)
+        context = ckpt.config.model.context
         stride = max(1, context // 2) if args.stride is None else args.stride
         if not 1 <= stride <= context:
             raise EvalError(f"--stride must be in 1..{context} (the checkpoint's model.context), got {stride}")
@@ -228,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no character could be scored in {', '.join(texts)} (every piece between "
               "characters outside the vocabulary is shorter than 2)", file=sys.stderr)
         return 2
-    print(f"checkpoint {args.checkpoint} (step {payload.get('step', '?')}): context {context}, stride "
+    print(f"checkpoint {args.checkpoint} (step {'?' if ckpt.step is None else ckpt.step}): context {context}, stride "
           f"{stride}, vocabulary {vocab.size} characters, device {device.type}")
     print(format_report(report))
     if args.json:
-        meta = {"checkpoint": args.checkpoint, "step": payload.get("step"), "context": context,
+        meta = {"checkpoint": args.checkpoint, "step": ckpt.step, "context": context,
                 "stride": stride, "vocab_size": vocab.size, "device": device.type,
                 "strip_gutenberg": args.strip_gutenberg, "oov_policy": OOV_POLICY}
         try:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from minagi import devices  # noqa: E402
 from minagi.checkpoint import CheckpointError  # noqa: E402
-from minagi.config import ConfigError, config_from_dict  # noqa: E402
+from minagi.config import ConfigError  # noqa: E402
 from minagi.data import DataError, heldout_batches, load_corpus  # noqa: E402
 from minagi.diagnostics import RoutingMeter, step_counts  # noqa: E402
 from minagi.loading import load_trained  # noqa: E402
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         device = devices.choose_device(args.device)
-        model, vocab, payload = load_trained(args.checkpoint, device)
-        cfg = config_from_dict(payload["config"], source=args.checkpoint)
+        model, vocab, ckpt = load_trained(args.checkpoint, device)
+        cfg = ckpt.config
         data_path = cfg.data.path if args.data is None else args.data
         corpus = load_corpus(data_path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab,
                              strip_gutenberg=cfg.data.strip_gutenberg,
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The run's own threshold, the one the history's `sinks` counts with.
     table = sink_table(route_heldout(model, batches, device), cfg.pool.top_k, cfg.pool.sink_ratio, args.top)
-    print(f"checkpoint {args.checkpoint} (step {payload.get('step', '?')}), held-out text of "
+    print(f"checkpoint {args.checkpoint} (step {'?' if ckpt.step is None else ckpt.step}), held-out text of "
           f"{data_path or 'the standard library sources'}: {n_batches} batches x "
           f"{cfg.train.batch_size} x {cfg.model.context} characters, device {device.type}")
     print(format_table(table))

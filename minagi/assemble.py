@@ -1,0 +1,107 @@
+"""Assembly: the model, optimizer, schedule and parallel wrappers a config describes (`build_training`),
+and the same restored from a checkpoint (`restore_training`). Moved out of minagi/trainer.py, which
+keeps the training state, the step, the evaluation and the loop.
+
+The model is built whole (`model.build_model`): row checkpointing, the replay pin, the offload
+stager and DDP's count reducers are part of it from its construction; only DDP and torch.compile
+wrap its training forward here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
+from .config import Config, ConfigError
+from .frozen import frozen_stacks
+from .loading import load_weights
+from .model import CharLM, build_model
+from .offload import OffloadStager
+from .schedule import Schedule, as_function
+
+__all__ = ["Training", "build_training", "check_world_size", "restore_training"]
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """train.batch_size is the global batch: it must split evenly over the ranks."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
+                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
+                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+
+
+@dataclass
+class Training:
+    """The model and what trains it. `forward` is the training forward (DDP / compile); everything
+    else (optimizer, saving, evaluation, the bias step) uses the plain `model`, so state dicts carry
+    no `module.` or `_orig_mod.` prefixes."""
+    model: CharLM
+    forward: Callable
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: Schedule
+    params: list[Tensor]
+    dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
+    stager: OffloadStager | None = None  # experts.offload = "cpu"
+    # Set by train_step when the update starts; the caller clears it once its own step counter agrees
+    # with the parameters again (a Ctrl-C in between waits for that: minagi.trainer).
+    updating: bool = False
+
+
+def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
+                   init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
+    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers), the
+    optimizer and schedule; DDP and compile wrap the training forward. `init_frozen` False: frozen
+    stacks are left to be loaded (resume, --init)."""
+    tc = cfg.train
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
+                        experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
+                        count_reducer=distributed.all_reduce_sum if world_size > 1 else None, log=log)
+    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
+                                  betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
+    schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
+    forward = model
+    if world_size > 1:
+        # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
+        frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
+        forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
+    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager)
+
+
+def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
+    """Model, optimizer, scheduler and RNG from a training checkpoint, and the schedule the run goes on
+    with (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
+    source = ckpt.source or "checkpoint"
+    load_weights(training.model, ckpt.model, source)
+    try:
+        training.optimizer.load_state_dict(ckpt.optimizer)
+        training.scheduler.load_state_dict(ckpt.scheduler)
+    except (KeyError, ValueError) as e:  # torch's own words, e.g. a parameter group of another size
+        raise CheckpointError(f"{source}: the optimizer state does not fit the model ({e})") from None
+    planned, step = ckpt.schedule, ckpt.step
+    schedule = planned.extended(step, training.schedule.total)
+    training.schedule = schedule
+    training.scheduler.lr_lambdas = [as_function(schedule) for _ in training.optimizer.param_groups]
+    # The next lr from the schedule, not the optimizer's saved one: the same value, to the bit, unless
+    # the run was extended.
+    for group, base_lr in zip(training.optimizer.param_groups, training.scheduler.base_lrs):
+        group["lr"] = base_lr * schedule(training.scheduler.last_epoch)
+    restore_rng_state(ckpt.rng)
+    if schedule is planned:
+        return None
+    base = training.scheduler.base_lrs[0]
+    change = f"schedule: train.steps {planned.total} -> {schedule.total}"
+    if schedule.bend < 0:
+        return f"{change}: still warming up; the cosine after the warmup now ends at step {schedule.total}"
+    return (f"{change}: the learning rate goes on from {base * schedule.bend_factor:.3g} (step {step}'s) down a "
+            f"cosine to {base * schedule.min_ratio:.3g} at step {schedule.total}, without a jump (a fresh "
+            "warmup and cosine is a new run: --init from this run's checkpoint)")
