@@ -22,13 +22,15 @@ import sys
 import warnings
 from pathlib import Path
 
-from minagi.config import ConfigError, load_config  # no torch: a Ctrl-C while torch loads is ours to report
+# No torch in these two: a Ctrl-C while torch loads is ours to report.
+from minagi.cli import OneLineParser
+from minagi.config import ConfigError, load_config
 
 MINAGI_DIR = Path(__file__).resolve().parent / "minagi"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", help="a name in profiles/ or a .toml path "
                                      "(default: cuda_small with a GPU, cpu_tiny without)")
     p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path); with --resume, "
