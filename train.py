@@ -24,7 +24,7 @@ from pathlib import Path
 
 # No torch in these two: a Ctrl-C while torch loads is ours to report.
 from minagi.cli import OneLineParser
-from minagi.config import ConfigError, load_config
+from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 MINAGI_DIR = Path(__file__).resolve().parent / "minagi"
 
@@ -36,8 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path); with --resume, "
                                   "where the run's corpus is now (its content must be the same)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one setting (repeatable); on --resume only train.steps, "
-                        "pool.sink_ratio and pool.swiglu")
+                   help=f"override one setting (repeatable); on --resume only {', '.join(RESUMABLE_KEYS)}")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
     p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary "

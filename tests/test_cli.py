@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import sample as sample_py
-from minagi.config import ConfigError, load_config
+import train as train_py
+from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,3 +49,11 @@ def _sample_takes(seed: int, capsys) -> bool:
 @pytest.mark.parametrize("seed", [-1, 0, 1337, 2**63 - 1, 2**63, 2**64])
 def test_sample_py_takes_exactly_the_seeds_train_seed_takes(seed, capsys):
     assert _sample_takes(seed, capsys) == _train_takes(seed) == (0 <= seed < 2**63)
+
+
+def test_the_set_help_names_every_key_a_resume_may_change(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps help to the terminal (and at hyphens)
+    with pytest.raises(SystemExit):
+        train_py.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"on --resume only {', '.join(RESUMABLE_KEYS)}" in help_text
