@@ -116,6 +116,20 @@ def launches(nproc_per_node: int | None, ranks: "distributed.RankInfo") -> bool:
     return nproc_per_node > 1  # one process needs no launcher
 
 
+def compile_note(cfg, device) -> str | None:
+    """A one-line warning for train.compile with experts on the CPU. The H200 profiles compile because
+    there the experts run torch's grouped GEMM, whose shapes routing does not change; the CPU takes the
+    bucketed path (dispatch.resolve_dispatch), whose shapes change every step, so the step recompiles
+    until torch's recompile limit (8), then runs eagerly: minutes of compiling for no speed-up.
+    Warned, not turned off: the run trains what its config says (run.json, a resume on the GPU), and
+    an explicit --set train.compile=true (to try the compiler on the CPU) is honoured."""
+    if not cfg.train.compile or cfg.model.mlp != "pooled" or device.type != "cpu":
+        return None
+    return ("train.compile is on, but on the CPU the experts' matmul shapes change with routing: "
+            "the step recompiles until torch's recompile limit (minutes, its recompile-limit warnings, no "
+            "speed-up); --set train.compile=false trains it eagerly from the start")
+
+
 def _report(error: BaseException, ranks: "distributed.RankInfo", joined: bool) -> None:
     """One stderr line per error: rank 0 prints it; another rank only an error of its own (before
     the process group is joined, every rank has read the same command line and files)."""
@@ -182,6 +196,9 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         # Before anything touches the GPU: the allocator reads its settings at the first allocation.
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
+        note = compile_note(cfg, device)
+        if note:
+            warnings.warn(note, stacklevel=1)
         with distributed.process_group(ranks, device) as device:
             joined = True
             devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)
