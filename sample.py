@@ -22,34 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from minagi.cli import OneLineParser, non_negative_int, positive_int, seed
+
 CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run folder is read as, in order
 
 
 class UsageError(ValueError):
     """A bad argument found after parsing; one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line on stderr and exit 2 (argparse's own prints the usage first)."""
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, got 0")
-    return value
 
 
 def _temperature(text: str) -> float:
@@ -63,7 +42,7 @@ def _temperature(text: str) -> float:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a .pt file, or a run folder (its best.pt, else last.pt)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="text to continue (default: a newline if the vocabulary has one, "
@@ -71,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prompt.add_argument("--prompts", metavar="FILE",
                         help="a UTF-8 file of prompts, one per line: one stream each (a line's \\r\\n or \\n "
                              "ends it and is not part of the prompt)")
-    p.add_argument("--streams", type=_positive_int,
+    p.add_argument("--streams", type=positive_int,
                    help="continuations written at once (default 1, or one per line of --prompts); "
                         "stream i uses seed + i and writes what it would alone with that seed (on a GPU, up to "
                         "bf16 rounding)")
@@ -88,16 +67,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
                         "docs/sampling.md)")
-    p.add_argument("--chars", type=_non_negative_int, default=500, help="characters to write (default 500)")
+    p.add_argument("--chars", type=non_negative_int, default=500, help="characters to write (default 500)")
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
-    p.add_argument("--top-k", type=_non_negative_int, default=0,
+    p.add_argument("--top-k", type=non_negative_int, default=0,
                    help="sample only among the k likeliest characters (default 0 = off)")
-    p.add_argument("--seed", type=int, default=1337, help="sampling seed (default 1337)")
+    p.add_argument("--seed", type=seed, default=1337, help="sampling seed, 0 <= S < 2**63 as train.seed "
+                                                          "(default 1337)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto = CUDA when present (bf16 autocast there), else CPU")
-    p.add_argument("--window", type=_positive_int,
+    p.add_argument("--window", type=positive_int,
                    help="most characters the model sees (default and maximum: its trained context)")
-    p.add_argument("--keep", type=_positive_int,
+    p.add_argument("--keep", type=positive_int,
                    help="characters re-prefilled when the window is full (default: 7/8 of the window)")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt before the text")
     return p.parse_args(argv)

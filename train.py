@@ -4,13 +4,15 @@
     python train.py --profile h200 --data shakespeare.txt --set train.steps=20000
     python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
+    python train.py --nproc-per-node 8 --profile h200 ...     # the same 8 ranks, launched by train.py
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
 The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
 MINAGI_REPLAY_PIN overrides experts.replay_pin (1/true/on/yes: on; 0/false/off/no: off; anything else,
 or unset: the profile's setting).
 Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder (a full disk included),
-3 the loss became NaN/inf, 4 out of GPU memory, 130 Ctrl-C. minagi's warnings (a skipped file, a
+3 the loss became NaN/inf, 4 out of GPU memory, 130 Ctrl-C; with --nproc-per-node, the code of the
+first rank to fail (128 + N for a rank killed by signal N). minagi's warnings (a skipped file, a
 fitted warmup) are one stderr line each.
 """
 from __future__ import annotations
@@ -22,24 +24,29 @@ import sys
 import warnings
 from pathlib import Path
 
-from minagi.config import ConfigError, load_config  # no torch: a Ctrl-C while torch loads is ours to report
+# No torch in these two: a Ctrl-C while torch loads is ours to report.
+from minagi.cli import OneLineParser, positive_int
+from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 MINAGI_DIR = Path(__file__).resolve().parent / "minagi"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", help="a name in profiles/ or a .toml path "
                                      "(default: cuda_small with a GPU, cpu_tiny without)")
     p.add_argument("--data", help="corpus: file, directory or glob (overrides data.path); with --resume, "
                                   "where the run's corpus is now (its content must be the same)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one setting (repeatable); on --resume only train.steps, "
-                        "pool.sink_ratio and pool.swiglu")
+                   help=f"override one setting (repeatable); on --resume only {', '.join(RESUMABLE_KEYS)}")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
     p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary "
                                                   "(its expert stacks quantized when the profile freezes them)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=positive_int, metavar="N",
+                   help="train on N processes of this machine (DDP), launched as torchrun --standalone does: "
+                        "the settings are checked for N ranks before any starts, and an error is one line "
+                        "and its exit code (docs/multi_gpu.md)")
     return p.parse_args(argv)
 
 
@@ -94,6 +101,33 @@ def resolve(args: argparse.Namespace) -> tuple:
 def absolute(path: str) -> str:
     """`path` (a file, folder or glob; ~ expanded) as an absolute path; "" stays "" (the default)."""
     return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
+def launches(nproc_per_node: int | None, ranks: "distributed.RankInfo") -> bool:
+    """Whether this process is to launch --nproc-per-node ranks, rather than train as one."""
+    from minagi.distributed import LaunchError
+    if nproc_per_node is None:
+        return False
+    if ranks.distributed:  # already one of N ranks: launch_local's, or torchrun's
+        if ranks.world_size != nproc_per_node:
+            raise LaunchError(f"--nproc-per-node {nproc_per_node}, but torchrun started {ranks.world_size} "
+                              "ranks: leave --nproc-per-node out under torchrun")
+        return False
+    return nproc_per_node > 1  # one process needs no launcher
+
+
+def compile_note(cfg, device) -> str | None:
+    """A one-line warning for train.compile with experts on the CPU. The H200 profiles compile because
+    there the experts run torch's grouped GEMM, whose shapes routing does not change; the CPU takes the
+    bucketed path (dispatch.resolve_dispatch), whose shapes change every step, so the step recompiles
+    until torch's recompile limit (8), then runs eagerly: minutes of compiling for no speed-up.
+    Warned, not turned off: the run trains what its config says (run.json, a resume on the GPU), and
+    an explicit --set train.compile=true (to try the compiler on the CPU) is honoured."""
+    if not cfg.train.compile or cfg.model.mlp != "pooled" or device.type != "cpu":
+        return None
+    return ("train.compile is on, but on the CPU the experts' matmul shapes change with routing: "
+            "the step recompiles until torch's recompile limit (minutes, its recompile-limit warnings, no "
+            "speed-up); --set train.compile=false trains it eagerly from the start")
 
 
 def _report(error: BaseException, ranks: "distributed.RankInfo", joined: bool) -> None:
@@ -151,12 +185,20 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     warnings.showwarning = _one_line_warnings(ranks.is_main)
     joined = False
     try:
+        launching = launches(args.nproc_per_node, ranks)
         cfg, profile = resolve(args)
         from minagi.trainer import NonFiniteLossError, check_world_size, train
-        check_world_size(cfg, ranks.world_size)
+        # With --nproc-per-node, for its N ranks before any of them starts (and imports torch).
+        check_world_size(cfg, args.nproc_per_node if launching else ranks.world_size)
+        if launching:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its 6-line notice
+            return distributed.launch_local(args.nproc_per_node, str(Path(__file__).resolve()), argv)
         # Before anything touches the GPU: the allocator reads its settings at the first allocation.
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
+        note = compile_note(cfg, device)
+        if note:
+            warnings.warn(note, stacklevel=1)
         with distributed.process_group(ranks, device) as device:
             joined = True
             devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)

@@ -30,7 +30,7 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     """train.batch_size is the global batch: it must split evenly over the ranks."""
     if cfg.train.batch_size % world_size:
         raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
-                          f"multiple of the {world_size} ranks (torchrun --nproc_per_node); use e.g. "
+                          f"multiple of the {world_size} ranks (--nproc-per-node, or torchrun --nproc_per_node); use e.g. "
                           f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
 
 

@@ -232,6 +232,14 @@ class DataConfig(_Section):
                  "must be strictly between 0 and 1")
 
 
+# One rule for every seed a user gives (train.seed, sample.py --seed): what a non-negative int64 holds.
+SEED_RULE = "must be >= 0 and < 2**63"
+
+
+def valid_seed(seed: int) -> bool:
+    return 0 <= seed < 2**63
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(_Section):
     """The optimisation loop, evaluation cadence and run folder."""
@@ -264,13 +272,13 @@ class TrainConfig(_Section):
         self._positive("lr")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be between 0 and 1")
-        self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "seed", "early_stop_evals")
+        self._at_least(0, "warmup_steps", "weight_decay", "grad_clip", "early_stop_evals")
         _require(self.warmup_steps <= self.steps, "train.warmup_steps", self.warmup_steps,
                  f"warmup_steps must be <= steps ({self.steps})", ("train.steps",))
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _require(0 <= value < 1, f"train.{name}", value, "must be in [0, 1)")
-        _require(self.seed < 2**63, "train.seed", self.seed, "must be < 2**63")
+        _require(valid_seed(self.seed), "train.seed", self.seed, SEED_RULE)
         _require(self.out_dir != "", "train.out_dir", self.out_dir,
                  "must name a folder (e.g. \"runs\")")
         _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),

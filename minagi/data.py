@@ -396,6 +396,13 @@ def _cache_write(path: Path, write) -> None:
     atomic_write(path, into, durable=False)
 
 
+def _save_npy(f, ids: np.ndarray) -> None:
+    """np.save's bytes, the data written by Python: np.save's own C write reports a short write (a
+    full disk) as "N requested and M written", without the errno that names the cause."""
+    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(ids))
+    f.write(memoryview(np.ascontiguousarray(ids)).cast("B"))
+
+
 def _load_npy(path: Path, n: int) -> np.ndarray:
     if n == 0:                      # mmap cannot map zero bytes past the header
         return np.load(path)
@@ -490,13 +497,13 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
     try:
         cache.mkdir(parents=True, exist_ok=True)
         base = meta_path.with_suffix("")
-        _cache_write(base.with_suffix(".train.npy"), lambda f: np.save(f, train_ids))
-        _cache_write(base.with_suffix(".heldout.npy"), lambda f: np.save(f, heldout_ids))
+        _cache_write(base.with_suffix(".train.npy"), lambda f: _save_npy(f, train_ids))
+        _cache_write(base.with_suffix(".heldout.npy"), lambda f: _save_npy(f, heldout_ids))
         # The .json goes last: its presence marks a complete entry.
         _cache_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=True).encode()))
         written = _try_cache(meta_path, vocab)
     except OSError as e:
-        warnings.warn(f"cannot write the corpus cache in {str(cache)!r} ({e.strerror or e}); "
+        warnings.warn(f"cannot write the corpus cache in {str(cache)!r} ({(e.strerror or str(e)).lower()}); "
                       "keeping the encoded corpus in memory", DataWarning, stacklevel=2)
         written = None
     if written is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, TypeVar
@@ -27,8 +28,8 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
-           "init_process_group", "wrap_ddp", "is_shared_error", "main_first",
-           "mean_over_ranks", "process_group", "rank_info"]
+           "init_process_group", "wrap_ddp", "is_shared_error", "launch_local",
+           "main_first", "mean_over_ranks", "process_group", "rank_info"]
 
 T = TypeVar("T")
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -70,6 +71,40 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         raise LaunchError(f"inconsistent rank variables RANK={rank} WORLD_SIZE={world_size} "
                           f"LOCAL_RANK={local_rank}; launch with torchrun --nproc_per_node=N")
     return RankInfo(rank, world_size, local_rank)
+
+
+# ---------------------------------------------------------------------------- launching
+
+def launch_local(nproc: int, script: str, script_args: list[str]) -> int:
+    """Run `script script_args` as `nproc` ranks on this machine through torchrun's own launcher
+    (`torchrun --standalone --nproc_per_node=nproc`, in this process); returns the job's exit code.
+
+    torchrun reports any worker's non-zero exit as a ChildFailedError traceback of ~40 lines and exits
+    1, whatever the worker said and returned. Here the worker's own report (one line from rank 0) is
+    the whole report, and its exit code the job's: the first rank to fail, or 128 + the signal that
+    killed it (then this says so: a rank killed by a signal could print nothing).
+    """
+    import logging
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # The agent logs each failure (and its rendezvous chatter) besides raising it: the rank has spoken.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", script, *script_args])
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode > 0:
+            return failure.exitcode
+        print(f"error: rank {rank} (pid {failure.pid}) was killed by signal {-failure.exitcode} "
+              f"({failure.signal_name()})", file=sys.stderr)
+        return 128 - failure.exitcode
+    except SignalException as e:  # Ctrl-C or a kill of this launcher: the ranks report their own
+        return 128 + int(e.sigval)
+    return 0
 
 
 # ---------------------------------------------------------------------------- the process group

@@ -1,7 +1,10 @@
 """tools/bench_decode.py runs end to end on the CPU (a tiny model, few characters) and says what it measured."""
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_decode  # noqa: E402
@@ -55,3 +58,13 @@ def test_steady_steps_leave_out_those_written_before_the_first_read():
     assert data["steps"] == 24  # steps 17..40: the first read came after 16 were queued
     # Reading every step, the first read comes after 2 (a read leaves the step queued last running).
     assert bench_decode.timed(lambda: iter([["a"]] * 40), torch.device("cpu"))["steps"] == 38
+
+
+def test_the_default_json_is_a_name_git_ignores(tmp_path):
+    # Run from the repository root, the benchmark writes its default file there: never a change to commit.
+    repo = Path(__file__).resolve().parent.parent
+    default = bench_decode.parse_args([]).json
+    done = subprocess.run(["git", "check-ignore", "--quiet", "--no-index", default], cwd=repo)
+    if done.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert done.returncode == 0, f"{default} is not ignored by .gitignore"

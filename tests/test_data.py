@@ -1,6 +1,9 @@
 """minagi/data.py: vocabulary, corpus loading and split, cache, deterministic sharded batches."""
 
+import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +12,8 @@ import torch
 
 from minagi import data
 from minagi.data import DataError, Vocab, VocabError, get_batch, heldout_batches, load_corpus
+
+REPO = Path(__file__).resolve().parent.parent
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
@@ -210,6 +215,34 @@ def test_cache_leaves_no_temp_files_and_uses_uint8_for_small_vocab(tmp_path, cac
     files = sorted(p.name for p in (Path(cache) / "corpus").iterdir())
     assert len(files) == 3 and not any(".tmp-" in f for f in files)
     assert corpus.train_ids.dtype == np.uint8 and corpus.heldout_ids.dtype == np.uint8
+
+
+# A process whose files may not grow past 4 KiB: the cache's write stops part-way, as on a full disk,
+# where numpy's own write reported "N requested and M written" and no cause.
+_CUT_SHORT = """
+import resource, signal, sys, warnings
+sys.path.insert(0, sys.argv[3])
+from minagi.data import load_corpus
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    corpus = load_corpus(sys.argv[1], 0.1, cache_dir=sys.argv[2])
+print(corpus.train_chars, corpus.cache_hit, *[str(w.message) for w in caught], sep="\\n")
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="resource.RLIMIT_FSIZE is POSIX")
+def test_a_cache_write_cut_short_says_the_systems_reason_and_keeps_the_corpus_in_memory(tmp_path, cache):
+    text = _write(tmp_path / "t.txt", "a line of text to encode\n" * 1000)  # 25,000 characters: > 4 KiB
+    done = subprocess.run([sys.executable, "-c", _CUT_SHORT, str(text), cache, str(REPO)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    chars, hit, *messages = done.stdout.splitlines()
+    assert (int(chars), hit) == (22500, "False") and len(messages) == 1
+    assert messages[0] == (f"cannot write the corpus cache in {str(Path(cache) / 'corpus')!r} "
+                           f"({os.strerror(errno.EFBIG).lower()}); keeping the encoded corpus in memory")
+    assert not any(".tmp-" in p.name for p in (Path(cache) / "corpus").iterdir())
 
 
 def test_zero_heldout_fraction_gives_empty_heldout_split(tmp_path, cache):

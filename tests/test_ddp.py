@@ -277,3 +277,65 @@ def test_two_ranks_with_offloaded_frozen_experts_and_row_checkpointing_give_the_
     lora = "rows.0.mlp.experts.lora_gate_up_b"
     assert torch.equal(r0["state"][lora], r1["state"][lora]) and r0["state"][lora].abs().sum() > 0
     assert torch.equal(r0["state"]["rows.0.mlp.experts.gate_up.packed"], r1["state"]["rows.0.mlp.experts.gate_up.packed"])
+
+
+# ------------------------------------------------------------------------------ train.py --nproc-per-node
+# torchrun reports any worker's non-zero exit with a ChildFailedError traceback and exits 1
+# (torch/distributed/launcher/api.py launch_agent); train.py --nproc-per-node launches the ranks itself.
+
+def _train_py(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_nproc_per_node_refuses_a_batch_that_does_not_split_before_any_rank_starts(tmp_path):
+    s = Setup(tmp_path)
+    done = _train_py("--nproc-per-node", "2", "--profile", str(s.profile), "--data", str(s.data),
+                     "--set", "train.batch_size=3")
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert "train.batch_size = 3" in err[0] and "2 ranks" in err[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_nproc_per_node_reports_a_ranks_error_as_its_one_line_and_exit_code(tmp_path):
+    # The corpus is read on the ranks (rank 0 first): two gloo ranks start, rank 0 says why, both exit 2.
+    s = Setup(tmp_path)
+    done = _train_py("--nproc-per-node", "2", "--profile", str(s.profile), "--data", str(tmp_path / "none.txt"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: data path {str(tmp_path / 'none.txt')!r} does not exist (expected a text file, a directory "
+        "or a glob)"], done.stderr
+
+
+def test_nproc_per_node_trains_on_two_ranks(tmp_path):
+    s = Setup(tmp_path)
+    done = _train_py("--nproc-per-node", "2", "--profile", str(s.profile), "--data", str(s.data),
+                     "--run-name", "two", "--set", "train.steps=3", "--set", "train.eval_every=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("final held-out") == 1 and done.stderr == ""
+    assert json.loads((tmp_path / "runs" / "two" / "run.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
+def test_launch_local_names_a_rank_killed_by_a_signal_and_exits_128_plus_it(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", "import sys; from minagi import distributed; "
+                           f"sys.exit(distributed.launch_local(2, {str(script)!r}, []))"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # else torchrun's notice of setting it
+    assert done.returncode == 128 + 9, done.stderr
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: rank 1 (pid ") and "signal 9 (SIGKILL)" in err[0], err
+
+
+def test_nproc_per_node_under_torchrun_must_match_its_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert train_py.main(["--nproc-per-node", "3"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --nproc-per-node 3, but torchrun started 2 ranks: leave --nproc-per-node out under torchrun"]

@@ -143,3 +143,11 @@ def test_missing_checkpoint_is_one_stderr_line_and_exit_2(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0]
+
+
+def test_a_negative_top_is_refused_in_one_line_not_read_as_all(ckpt, capsys):
+    # 0 lists every expert; a negative count is a slip, not another way to say all.
+    with pytest.raises(SystemExit) as exit_:
+        sink_report.main([str(ckpt), "--top", "-1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: argument --top: must be >= 0, got -1 (see --help)\n"

@@ -433,6 +433,27 @@ def test_train_py_config_error_is_one_stderr_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and "model.n_expert" in lines[0], done.stderr
 
 
+def test_h200_on_the_cpu_warns_in_one_line_that_its_compiled_step_recompiles(tmp_path, capsys):
+    # The corpus is missing: the run stops at its first read, after what train.py says at start.
+    argv = ["--profile", "h200", "--set", "train.device=cpu", "--data", str(tmp_path / "none.txt"),
+            "--set", f"train.out_dir={tmp_path / 'runs'}"]
+    assert train_py.main(argv) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("warning: train.compile is on, but on the CPU") and "recompile" in warning
+    assert warning.endswith("--set train.compile=false trains it eagerly from the start")
+    assert error.startswith("error: data path")
+    assert train_py.main([*argv, "--set", "train.compile=false"]) == 2
+    assert "train.compile" not in capsys.readouterr().err
+
+
+def test_the_compile_warning_is_for_pooled_models_on_the_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    h200, dense = load_config("h200"), load_config("h200_shakespeare_dense")
+    assert train_py.compile_note(h200, cpu) and not train_py.compile_note(h200, cuda)
+    assert not train_py.compile_note(dense, cpu)  # one SwiGLU a row: shapes that routing does not change
+    assert not train_py.compile_note(load_config("cpu_tiny"), cpu)  # compile off
+
+
 def test_minagi_swiglu_sets_pool_swiglu():
     assert train_py.environment_overrides({"MINAGI_SWIGLU": "eager"}) == ["pool.swiglu=eager"]
     assert train_py.environment_overrides({}) == []

@@ -19,7 +19,7 @@ host's cudaLaunchKernel / cudaGraphLaunch calls; syncs are what torch.cuda.set_s
 reports. The bound: the bytes of weights a character reads in bf16 (attention, router, head and the
 top_k experts of each row; with B streams, up to min(E, B*top_k) experts a row per step) over the
 device-to-device copy bandwidth measured in this run (bytes read + written). Prints a table; writes
-every number to --json.
+every number to --json (default bench_decode.json here, a name .gitignore keeps out of the repository).
 """
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (torch.set_num_threads; 0 = torch's default)")
     p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
                    help="also the compiled step (CUDA; default on)")
-    p.add_argument("--json", default="bench_decode.json", help="where every number goes")
+    p.add_argument("--json", default="bench_decode.json",
+                   help="where every number goes (default bench_decode.json, ignored by git)")
     return p.parse_args(argv)
 
 

@@ -18,7 +18,6 @@ CUDA, fp32 on the CPU. Exit status: 0 done, 2 bad checkpoint / device / file / e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,6 +30,7 @@ from tqdm import tqdm  # noqa: E402
 
 from minagi import devices  # noqa: E402
 from minagi.checkpoint import CheckpointError  # noqa: E402
+from minagi.cli import OneLineParser, positive_int  # noqa: E402
 from minagi.config import ConfigError  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
 from minagi.gutenberg import MarkersMissing, strip_gutenberg  # noqa: E402
@@ -201,17 +201,15 @@ def _json_safe(value):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt)")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="text files to score")
     p.add_argument("--stride", type=int, help="characters scored per window after the first (default T // 2)")
-    p.add_argument("--batch", type=int, default=32, help="windows per forward pass (default 32)")
+    p.add_argument("--batch", type=positive_int, default=32, help="windows per forward pass (default 32)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default auto")
     p.add_argument("--strip-gutenberg", action="store_true", help="score only the book of Project Gutenberg files")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
-    if args.batch < 1:
-        p.error(f"--batch must be positive, got {args.batch}")
     try:
         device = devices.choose_device(args.device, "--device")
         model, vocab, ckpt = load_trained(args.checkpoint, device)

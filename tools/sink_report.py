@@ -14,7 +14,6 @@ Exit status: 0 done, 2 bad checkpoint / data / device, or --heatmap without matp
 """
 from __future__ import annotations
 
-import argparse
 import math
 import struct
 import sys
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 
 from minagi import devices  # noqa: E402
 from minagi.checkpoint import CheckpointError  # noqa: E402
+from minagi.cli import OneLineParser, non_negative_int, positive_int  # noqa: E402
 from minagi.config import ConfigError  # noqa: E402
 from minagi.data import DataError, heldout_batches, load_corpus  # noqa: E402
 from minagi.diagnostics import RoutingMeter, step_counts  # noqa: E402
@@ -138,16 +138,16 @@ def write_heatmap(table: dict, out_path: Path, title: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt)")
     p.add_argument("--data", help="held-out text from this corpus instead of the checkpoint's data.path")
-    p.add_argument("--batches", type=int, help="held-out batches (default: the run's train.eval_batches)")
-    p.add_argument("--top", type=int, default=5, help="busiest experts listed per row (0 = all; default 5)")
+    p.add_argument("--batches", type=positive_int,
+                   help="held-out batches (default: the run's train.eval_batches)")
+    p.add_argument("--top", type=non_negative_int, default=5,
+                   help="busiest experts listed per row (0 = all; default 5)")
     p.add_argument("--heatmap", metavar="PNG", help="write a rows x experts load-share heatmap")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="default cpu")
     args = p.parse_args(argv)
-    if args.batches is not None and args.batches < 1:
-        p.error(f"--batches must be positive, got {args.batches}")
     if args.heatmap:
         try:  # before the model runs: fail fast
             import matplotlib  # noqa: F401

@@ -1,0 +1,59 @@
+"""minagi/cli.py: every command line reports a bad argument the same way (one line, exit 2), and a
+value one command takes the other takes by the same rule (seeds as train.seed)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sample as sample_py
+import train as train_py
+from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("command, args", [
+    ("train.py", ["--no-such-flag"]),
+    ("sample.py", ["x.pt", "--chars", "many"]),
+    ("tools/evaluate.py", []),                              # the checkpoint and --data are required
+    ("tools/evaluate.py", ["x.pt", "--data", "a.txt", "--batch", "0"]),
+    ("tools/sink_report.py", ["x.pt", "--top", "x"]),
+    ("tools/sink_report.py", ["x.pt", "--batches", "0"]),
+])
+def test_a_bad_argument_is_one_stderr_line_and_exit_2(command, args):
+    done = subprocess.run([sys.executable, str(REPO / command), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert lines[0].endswith("(see --help)") and done.stdout == ""
+
+
+def _train_takes(seed: int) -> bool:
+    try:
+        load_config("cpu_tiny", [f"train.seed={seed}"])
+    except ConfigError:
+        return False
+    return True
+
+
+def _sample_takes(seed: int, capsys) -> bool:
+    try:
+        sample_py.parse_args(["x.pt", "--seed", str(seed)])
+    except SystemExit as e:
+        assert e.code == 2 and "--seed: must be >= 0 and < 2**63" in capsys.readouterr().err
+        return False
+    return True
+
+
+@pytest.mark.parametrize("seed", [-1, 0, 1337, 2**63 - 1, 2**63, 2**64])
+def test_sample_py_takes_exactly_the_seeds_train_seed_takes(seed, capsys):
+    assert _sample_takes(seed, capsys) == _train_takes(seed) == (0 <= seed < 2**63)
+
+
+def test_the_set_help_names_every_key_a_resume_may_change(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps help to the terminal (and at hyphens)
+    with pytest.raises(SystemExit):
+        train_py.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"on --resume only {', '.join(RESUMABLE_KEYS)}" in help_text
