@@ -123,7 +123,7 @@ def compile_note(cfg, device) -> str | None:
     until torch's recompile limit (8), then runs eagerly: minutes of compiling for no speed-up.
     Warned, not turned off: the run trains what its config says (run.json, a resume on the GPU), and
     an explicit --set train.compile=true (to try the compiler on the CPU) is honoured."""
-    if not cfg.train.compile or cfg.model.mlp != "pooled" or device.type != "cpu":
+    if cfg.train.compile is not True or cfg.model.mlp != "pooled" or device.type != "cpu":
         return None
     return ("train.compile is on, but on the CPU the experts' matmul shapes change with routing: "
             "the step recompiles until torch's recompile limit (minutes, its recompile-limit warnings, no "
@@ -196,6 +196,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         # Before anything touches the GPU: the allocator reads its settings at the first allocation.
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
+        devices.check_compiler(cfg.train.compile, device)  # no Triton: refused before the run folder is made
         note = compile_note(cfg, device)
         if note:
             warnings.warn(note, stacklevel=1)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import distributed
+from . import devices, distributed
 from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
 from .config import Config, ConfigError
 from .frozen import frozen_stacks
@@ -58,8 +58,10 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     optimizer and schedule; DDP and compile wrap the training forward. `init_frozen` False: frozen
     stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
+    devices.check_compiler(tc.compile, device)
     torch.manual_seed(tc.seed)
-    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width, compiled=tc.compile,
+    model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width,
+                        compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None, log=log)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
@@ -71,7 +73,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
         frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
         forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
-    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile else forward
+    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile is True else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager)

@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import re
+import types
 import typing
 import warnings
 from collections.abc import Mapping, Sequence
@@ -82,7 +83,15 @@ def _check_type(key: str, typ: Any, value: Any) -> Any:
     """Check ``value`` against a field type; return it with an int widened to float where needed.
 
     bool is not accepted for int (``isinstance(True, int)`` holds in Python, not in the config).
+    A union (``bool | Literal["rows"]``) takes a value any of its members takes.
     """
+    if _is_union(typ):
+        for member in typing.get_args(typ):
+            try:
+                return _check_type(key, member, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {_fmt(value)} is not one of: {_union_choices(typ)}", key)
     if typing.get_origin(typ) is Literal:
         choices = typing.get_args(typ)
         if not isinstance(value, str) or value not in choices:
@@ -114,6 +123,18 @@ def _check_type(key: str, typ: Any, value: Any) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{key} = {_fmt(value)} is impossible: must be a finite number", key)
     return value
+
+
+def _is_union(typ: Any) -> bool:
+    return typing.get_origin(typ) in (typing.Union, types.UnionType)
+
+
+def _union_choices(typ: Any) -> str:
+    """`true, false, "rows"`: what a union of bool and string literals takes, as TOML spells it."""
+    out = []
+    for member in typing.get_args(typ):
+        out += ["true", "false"] if member is bool else [_fmt(c) for c in typing.get_args(member)]
+    return ", ".join(out)
 
 
 def _require(ok: bool, key: str, value: Any, why: str, related: tuple[str, ...] = ()) -> None:
@@ -260,7 +281,10 @@ class TrainConfig(_Section):
     eval_batches: int = 8
     early_stop_evals: int = 0  # > 0: stop when this many evaluations in a row did not beat the best held-out loss
     seed: int = 1337
-    compile: bool = False
+    # true: the whole training step through torch.compile (static shapes: the native grouped GEMM);
+    # "rows": each row's attention, norms and router (and the dense twin's MLP), the expert dispatch
+    # eager (the bucketed path, whose shapes change every step); false: eager.
+    compile: bool | Literal["rows"] = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"  # torch.compile's
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -279,6 +303,9 @@ class TrainConfig(_Section):
             value = getattr(self, name)
             _require(0 <= value < 1, f"train.{name}", value, "must be in [0, 1)")
         _require(valid_seed(self.seed), "train.seed", self.seed, SEED_RULE)
+        _require(not (self.checkpoint_rows and self.compile is True), "train.checkpoint_rows", self.checkpoint_rows,
+                 "a whole-step compile (train.compile = true) does not recompute rows: the replay's memo is not "
+                 "traced; use train.compile = \"rows\" or false with row checkpointing", ("train.compile",))
         _require(self.out_dir != "", "train.out_dir", self.out_dir,
                  "must name a folder (e.g. \"runs\")")
         _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),
@@ -555,9 +582,10 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         ok = list(parsed) == ["v"]  # "1\nw = 2" would smuggle in a second key
     except tomllib.TOMLDecodeError:
         ok = False
-    is_string_field = typ is str or typing.get_origin(typ) is Literal
-    if is_string_field:
-        value = parsed["v"] if ok and isinstance(parsed["v"], str) else raw
+    is_string_field = typ is str or typing.get_origin(typ) is Literal or (
+        _is_union(typ) and any(typing.get_origin(m) is Literal for m in typing.get_args(typ)))
+    if is_string_field:  # a union also takes its other members' TOML values (true, false)
+        value = parsed["v"] if ok and (isinstance(parsed["v"], str) or _is_union(typ)) else raw
     elif ok:
         value = parsed["v"]
     else:

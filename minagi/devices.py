@@ -17,7 +17,7 @@ import torch
 
 from .mlp import device_compute_dtype
 
-__all__ = ["DeviceError", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
+__all__ = ["DeviceError", "check_compiler", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
            "device_name", "host_syncs", "memory_stats", "rss_bytes"]
 
 # Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
@@ -177,3 +177,25 @@ def host_syncs(fn: Callable[[], object]) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return [f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
+
+
+def has_triton() -> bool:
+    """Whether torch.compile can generate GPU code here (Triton importable and usable by inductor)."""
+    try:
+        from torch.utils._triton import has_triton as torch_has_triton
+    except ImportError:  # pragma: no cover - torch without the helper
+        import importlib.util
+        return importlib.util.find_spec("triton") is not None
+    return torch_has_triton()
+
+
+def check_compiler(compile_setting, device: torch.device) -> None:
+    """`train.compile` on a GPU needs Triton (inductor writes its GPU kernels in it): where it is missing
+    (Windows, most ROCm on Windows) refuse at start, in one line, rather than fail at the first step.
+    The CPU compiles through inductor's C++ backend and needs no Triton."""
+    if compile_setting is False or torch.device(device).type != "cuda" or has_triton():
+        return
+    from .config import ConfigError
+    raise ConfigError(f"train.compile = {'true' if compile_setting is True else repr(compile_setting)}: torch.compile "
+                      "writes its GPU kernels in Triton, which this Python does not have (Windows and most ROCm "
+                      "builds on Windows ship none); set train.compile = false, or install Triton", "train.compile")

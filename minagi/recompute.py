@@ -60,7 +60,11 @@ def clear_stale_slots() -> int:
 
 
 def active_memo() -> RowMemo | None:
-    """The memo of the checkpointed row running now (forward or replay); None outside one."""
+    """The memo of the checkpointed row running now (forward or replay); None outside one. Inside
+    torch.compile there is none (a compiled step does not checkpoint rows): reading the ContextVar
+    there would break the graph."""
+    if torch.compiler.is_compiling():
+        return None
     return _ACTIVE.get()
 
 
@@ -79,7 +83,7 @@ def remember(key: Hashable, compute: Callable[[], T]) -> T:
 
     `key` must be unique within a row call (e.g. `(module, "name")`).
     """
-    memo = _ACTIVE.get()
+    memo = active_memo()
     if memo is None:
         return compute()
     if memo.replaying and key in memo.values:

@@ -64,3 +64,29 @@ def test_the_native_path_compiles_once_whatever_the_routing_and_keeps_the_swiglu
     assert compiled == pytest.approx(eager, rel=2e-2)
     assert graphs[6] == graphs[1]  # five more steps of new routing: no recompile
     assert calls["forward"] == calls["backward"] == 6 * 2  # two rows a step, through the custom op
+
+
+def test_compile_without_triton_on_a_gpu_is_refused_at_start_in_one_line(monkeypatch):
+    from minagi import devices
+    from minagi.config import ConfigError
+    monkeypatch.setattr(devices, "has_triton", lambda: False)
+    cuda = torch.device("cuda")  # the check needs no GPU: it runs before anything touches one
+    for setting in (True, "rows"):
+        with pytest.raises(ConfigError, match=r"^train\.compile = .*Triton.*set train\.compile = false") as err:
+            devices.check_compiler(setting, cuda)
+        assert "\n" not in str(err.value) and err.value.key == "train.compile"
+    devices.check_compiler(False, cuda)                    # eager needs nothing
+    devices.check_compiler(True, torch.device("cpu"))      # the CPU compiles through C++, not Triton
+    cfg = load_config(None, TINY + ["train.compile=true", "train.device=cpu"])
+    monkeypatch.setattr(devices, "has_triton", lambda: True)
+    devices.check_compiler(cfg.train.compile, cuda)
+
+
+def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(monkeypatch, tmp_path, capsys):
+    import train as train_py
+    from minagi import devices
+    monkeypatch.setattr(devices, "has_triton", lambda: False)
+    monkeypatch.setattr(devices, "choose_device", lambda requested, option="train.device": torch.device("cuda"))
+    code = train_py.main(["--profile", "cpu_tiny", "--set", "train.compile=rows", "--set", f"train.out_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Triton" in err[0] and not any(tmp_path.iterdir())
