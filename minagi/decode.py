@@ -16,24 +16,26 @@ MLP, samples on the device and advances `pos_B`, `tok_B` and the noise slot. Its
 change and it has no host sync and no Python branch on data, so one CUDA graph replays it for every
 character (`graphs=True`): the kernels the eager step launches, in the same buffers, nothing copied.
 
-The step's math is minagi/decode_step.py: functions of tensors only, so that `compiled=True` can hand
-them to torch.compile (fused kernels; the in-place cache writes stay eager here). With few streams a
+The step's math is minagi/rowmath.py's, the model's own row functions, cut into pieces where the
+cache write goes (minagi/decode_step.py: functions of tensors, so that `compiled=True` can hand them
+to torch.compile: fused kernels; the in-place cache writes stay eager here). With few streams a
 compiled step writes its products as sums (`products`, decode_step.py): inductor then fuses them
 with the experts' gather, the top-k and the attention.
-The expert path is gpt-fast's (mixtral-moe): route, gather the top_k chosen experts' weights of each
-routed row (frozen NF4 stacks, through the expert-weights seam, dequantize just those experts) and
-multiply per routed row with bmm: no sort, no counts, no host sync. That reads an expert once per
-stream that chose it, so with many streams, where the pool's own path is torch's grouped GEMM
-("native") and the stack is resident, the step runs that path instead (each chosen expert read once
-a step, however many streams chose it; its sort and counts make no host sync either). Writing is
-dropless and computes no aux terms. The dense twin is one SwiGLU.
+Each row's MLP makes its own step (`mlp.decoder(...)`, decode_step.py). The pools' is gpt-fast's
+(mixtral-moe): route, gather the top_k chosen experts' weights of each routed row (frozen NF4
+stacks, through the expert-weights seam, dequantize just those experts) and multiply per routed row
+with bmm: no sort, no counts, no host sync. That reads an expert once per stream that chose it, so
+with many streams, where the pool's own path is torch's grouped GEMM ("native") and the stack is
+resident, the step runs that path instead (each chosen expert read once a step, however many
+streams chose it; its sort and counts make no host sync either). Writing is dropless and computes no
+aux terms. The dense twin is one SwiGLU.
 
-A window's characters but the last are *prefilled* (`_window_forward`: the step's functions over T
-positions at once, causal attention among them, the experts by the pool's own grouped GEMM) into
-the stream's slots; the last is the next step's input. A *slide* (`slide`) restarts a stream on its
-last `keep` characters from `text_BW`, on the device: no host read, and where every row's prefill
-has no host sync (resident experts on torch's grouped GEMM, or the dense twin) one CUDA graph a
-number of sliding streams replays it. The driver (minagi/sampling.py `write`) decides when a stream
+A window's characters but the last are *prefilled* (`_window_forward`: the model's row over T
+positions at once, causal attention among them, each MLP's window form) into the stream's slots;
+the last is the next step's input. A *slide* (`slide`) restarts a stream on its last `keep`
+characters from `text_BW`, on the device: no host read, and where every row's prefill has no host
+sync (resident experts on torch's grouped GEMM, or the dense twin) one CUDA graph a number of
+sliding streams replays it. The driver (minagi/sampling.py `write`) decides when a stream
 slides and reads the characters back: each step's row is copied to pinned host memory behind the
 step, so a read waits for that step only, not for the one queued after it.
 """
@@ -43,19 +45,15 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import decode_step
-from .decode_step import MLPWeights
-from .dense import DenseMLP
-from .dispatch import host_to_device
+from . import decode_step, rowmath
+from .decode_step import StepOptions, auto_grouped
 from .devices import autocast
-from .mlp import device_compute_dtype
-from .experts import ExpertStack
+from .dispatch import host_to_device
 from .gumbel import gumbel_noise, pick, stream_keys
+from .mlp import device_compute_dtype
 from .model import CharLM
-from .pool import PooledMLP
 
 __all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference"]
 
@@ -92,13 +90,6 @@ def inference(model: CharLM, device: torch.device):
             model.train()
 
 
-def auto_grouped(pool: PooledMLP, n_streams: int) -> bool:
-    """Whether expert_path `auto` runs a resident pool grouped: where the pool itself runs torch's
-    grouped GEMM and many streams choose each expert several times a step (there it was 1.8x faster
-    on the H200); at batch 1 its sort and plan cost more than gathering 4 experts."""
-    return pool.path == "native" and n_streams * pool.cfg.top_k >= 2 * pool.n_experts
-
-
 class Decoder:
     """B streams of `model` over a window of W positions: prefill, advance one character, read back.
 
@@ -126,47 +117,22 @@ class Decoder:
                  temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
                  compiled: bool = False, products: bool | None = None, read_in_place: bool = False):
         device = model.embed.weight.device
-        if graphs and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
-        if expert_path not in EXPERT_PATHS:
-            raise ValueError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
-        if compiled and device.type != "cuda":
-            raise ValueError(f"a compiled step needs a CUDA device (Triton); the model is on {device.type}")
+        _check(device, window, keep, graphs, expert_path, compiled)
         self.expert_path, self.read_in_place = expert_path, read_in_place
         self.products = compiled and len(seeds) <= _PRODUCTS_MAX_STREAMS if products is None else products
         self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
-            _compiled_pieces() if compiled else
-            (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
-        cfg = model.cfg
-        if keep is not None and not 1 <= keep <= window:
-            raise ValueError(f"keep must be 1..{window} (the window); got {keep}")
+            _compiled_pieces() if compiled else _EAGER_PIECES)
         self.model, self.device, self.window = model, device, window
         self.keep = default_keep(window) if keep is None else keep
         self.temperature, self.top_k = temperature, top_k
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim = model.cfg.n_heads, model.cfg.head_dim
         self.dtype = device_compute_dtype(device)  # what autocast computes in
-        B, W, V = len(seeds), window, model.vocab_size
-        self.n_streams = B
-        self.chunk = max(16, min(256, _NOISE_ELEMENTS // (B * V)))
+        self.n_streams = len(seeds)
+        self.chunk = max(16, min(256, _NOISE_ELEMENTS // (len(seeds) * model.vocab_size)))
         with torch.inference_mode():
-            shape = (cfg.n_rows, 2, B, cfg.n_heads, W, cfg.head_dim)
-            self.kv_R2BHWd = torch.zeros(shape, dtype=self.dtype, device=device)
-            self.k_RBHWd, self.v_RBHWd = self.kv_R2BHWd[:, 0], self.kv_R2BHWd[:, 1]  # views
-            self.pos_B = torch.zeros(B, dtype=torch.long, device=device)
-            self.tok_B = torch.zeros(B, dtype=torch.long, device=device)
-            self.text_BW = torch.zeros(B, W, dtype=torch.long, device=device)  # the character at each cache slot
-            self.positions_W = torch.arange(W, device=device)
-            cos_Wd, sin_Wd = model.rows[0].attn.rope(0, W, device)  # the prefill's tables, bit for bit
-            self.cos_Wd, self.sin_Wd = torch.cat([cos_Wd, cos_Wd], -1), torch.cat([-sin_Wd, sin_Wd], -1)  # rope_step's
-            # The flat row of (b, k or v, h, position 0) in a cache row's [2*B*H*W, Dh] view.
-            first_BH = torch.arange(B * cfg.n_heads, device=device).view(B, 1, cfg.n_heads) * W
-            self.first_B2H = first_BH + torch.tensor([0, B * cfg.n_heads * W], device=device)[:, None]
-            self.slot_1 = torch.zeros(1, dtype=torch.long, device=device)  # this step's row of noise_CBV / out_CB
-            self.out_CB = torch.zeros(self.chunk, B, dtype=torch.long, device=device)
-            self.readback = _Readback(self.out_CB)
-            self.keys_B2 = stream_keys(seeds, device)
-            self.noise_CBV = torch.zeros(self.chunk, B, V, device=device) if temperature > 0 else None
-            self._cast_weights()
+            self._allocate(seeds)
+            self._cast_weights(StepOptions(lambda w: w.detach().to(self.dtype), len(seeds), expert_path,
+                                           self.products, compiled, read_in_place))
         self.logits_BV: Tensor | None = None  # the last step's logits (the graph's output when captured)
         self.t = 0                 # characters written per stream
         self._row = self.chunk     # rows of out_CB written in this chunk (full: the first advance starts one)
@@ -182,82 +148,69 @@ class Decoder:
         # captured by `prepare_slides`, which `write` calls before writing, or at the first such slide.
         self._slides: dict[int, tuple[Tensor, "torch.cuda.CUDAGraph"]] = {}
         self._slide_pool = torch.cuda.graph_pool_handle() if graphs else None  # the slides' graphs share it
-        self.slide_graphs = graphs and all(m.kind in ("grouped", "dense") for m in self.window_mlps)
+        self.slide_graphs = graphs and not any(m.host_sync for m in self.window_mlps)
 
-    def _cast_weights(self) -> None:
-        """The matmul weights in the writing dtype, once (on the CPU these are the parameters themselves)."""
-        def cast(w: Tensor) -> Tensor:
-            return w.detach().to(self.dtype)
-        rows, model = self.model.rows, self.model
+    def _allocate(self, seeds: list[int]) -> None:
+        """Everything a step reads or writes, once (module docstring)."""
+        cfg, device = self.model.cfg, self.device
+        B, W, V, H = len(seeds), self.window, self.model.vocab_size, cfg.n_heads
+        self.kv_R2BHWd = torch.zeros((cfg.n_rows, 2, B, H, W, cfg.head_dim), dtype=self.dtype, device=device)
+        self.k_RBHWd, self.v_RBHWd = self.kv_R2BHWd[:, 0], self.kv_R2BHWd[:, 1]  # views
+        self.pos_B = torch.zeros(B, dtype=torch.long, device=device)
+        self.tok_B = torch.zeros(B, dtype=torch.long, device=device)
+        self.text_BW = torch.zeros(B, W, dtype=torch.long, device=device)  # the character at each cache slot
+        self.positions_W = torch.arange(W, device=device)
+        # The prefill's tables, bit for bit, as rowmath.rope_rolled takes them.
+        self.cos_Wd, self.sin_Wd = rowmath.rolled_tables(*self.model.rows[0].attn.rope(W, device))
+        # The flat row of (b, k or v, h, position 0) in a cache row's [2*B*H*W, Dh] view.
+        first_BH = torch.arange(B * H, device=device).view(B, 1, H) * W
+        self.first_B2H = first_BH + torch.tensor([0, B * H * W], device=device)[:, None]
+        self.slot_1 = torch.zeros(1, dtype=torch.long, device=device)  # this step's row of noise_CBV / out_CB
+        self.out_CB = torch.zeros(self.chunk, B, dtype=torch.long, device=device)
+        self.readback = _Readback(self.out_CB)
+        self.keys_B2 = stream_keys(seeds, device)
+        self.noise_CBV = torch.zeros(self.chunk, B, V, device=device) if self.temperature > 0 else None
+
+    def _cast_weights(self, options: StepOptions) -> None:
+        """The matmul weights in the writing dtype, once (on the CPU these are the parameters
+        themselves), and each row's MLP step and window form, made by the MLP itself."""
+        rows, model, cast = self.model.rows, self.model, options.cast
         self.w_qkv = [cast(row.attn.qkv.weight) for row in rows]
         self.w_proj = [cast(row.attn.proj.weight) for row in rows]
         self.w_head = cast(model.head.weight)
         norm = lambda m: (m.weight.detach(), m.eps)  # noqa: E731
         self.attn_norms, self.mlp_norms = [norm(r.attn_norm) for r in rows], [norm(r.mlp_norm) for r in rows]
         self.final_norm = norm(model.final_norm)
-        self.mlps = [self._mlp(row.mlp, cast) for row in rows]
-        self.window_mlps = [self._window_mlp(row.mlp, step) for row, step in zip(rows, self.mlps)]
-
-    def _mlp(self, mlp, cast) -> MLPWeights:
-        if isinstance(mlp, DenseMLP):
-            return MLPWeights("dense", (cast(mlp.gate_up), cast(mlp.down)), products=self.products)
-        if not isinstance(mlp, PooledMLP):
-            raise ValueError(f"cannot decode a row whose MLP is a {type(mlp).__name__}")
-        router = mlp.router
-        route = (router.weight.detach(), router.selection_bias if router.aux_free_bias else None)
-        if not isinstance(mlp.experts, ExpertStack):  # frozen: through the seam
-            if self.expert_path == "grouped":
-                raise ValueError("expert_path 'grouped' runs whole resident stacks; this pool's experts are "
-                                 "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
-            if self.qkv_step is not decode_step.qkv_step:
-                raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
-            return MLPWeights("stack", route, mlp.cfg.top_k, stack=mlp.experts, products=self.products,
-                              in_place=self.read_in_place)
-        grouped = self.expert_path == "grouped" or (self.expert_path == "auto" and auto_grouped(mlp, self.n_streams))
-        stacks = (cast(mlp.experts.gate_up), cast(mlp.experts.down))
-        if self.products and not grouped:  # decode_step.gathered_products sums along contiguous memory
-            stacks = tuple(s.transpose(1, 2).contiguous() for s in stacks)
-        return MLPWeights("grouped" if grouped else "gathered", route + stacks, mlp.cfg.top_k,
-                          fused=mlp.cfg.swiglu == "auto", products=self.products)
-
-    def _window_mlp(self, mlp, step: MLPWeights) -> MLPWeights:
-        """A row's MLP for many positions (a prefill): the dense twin as in the step; resident experts
-        on torch's grouped GEMM where the pool runs it ("native": no host sync, so a slide can be
-        captured); otherwise the pool's own forward (its dispatch path, frozen stacks included)."""
-        if step.kind == "dense":
-            return step._replace(products=False)  # GEMMs for many positions: products would materialise them
-        if step.kind in ("gathered", "grouped") and mlp.path == "native":
-            gate_up, down = step.tensors[2:]
-            if step.products and step.kind == "gathered":  # transposed for the step: back to [E, D, 2F], [E, F, D]
-                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-            return MLPWeights("grouped", step.tensors[:2] + (gate_up, down), step.top_k, fused=step.fused)
-        return MLPWeights("module", (), step.top_k, stack=mlp, in_place=step.in_place)
+        for row in rows:
+            if not hasattr(row.mlp, "decoder"):
+                raise ValueError(f"cannot decode a row whose MLP is a {type(row.mlp).__name__} (it has no decoder())")
+        self.mlps, self.window_mlps = map(list, zip(*(row.mlp.decoder(options) for row in rows)))
 
     # ------------------------------------------------------------------ the step (captured)
 
-    def _attend(self, i: int, q_BHd: Tensor, kv_B2Hd: Tensor, mask_B11W: Tensor, slots_N: Tensor) -> Tensor:
+    def _attend(self, i: int, q_BH1d: Tensor, kv_B2H1d: Tensor, mask_B11W: Tensor, slots_N: Tensor) -> Tensor:
         """Write row i's new keys and values at each stream's position (in place), attend: [B, H, 1, Dh]."""
-        self.kv_R2BHWd[i].view(-1, self.head_dim).index_copy_(0, slots_N, kv_B2Hd.reshape(-1, self.head_dim))
+        self.kv_R2BHWd[i].view(-1, self.head_dim).index_copy_(0, slots_N, kv_B2H1d.reshape(-1, self.head_dim))
         k_BHWd, v_BHWd = self.k_RBHWd[i], self.v_RBHWd[i]
         if self.products:
-            return self.attend_step(q_BHd, k_BHWd, v_BHWd, mask_B11W)
-        return F.scaled_dot_product_attention(q_BHd.unsqueeze(2), k_BHWd, v_BHWd, attn_mask=mask_B11W)
+            return self.attend_step(q_BH1d, k_BHWd, v_BHWd, mask_B11W)
+        return rowmath.window_attention(q_BH1d, k_BHWd, v_BHWd, mask_B11W)
 
     def _forward(self) -> Tensor:
         """fp32 logits [B, V] of the character after tok_B (fed at pos_B); writes its keys and values."""
         model, pos_B = self.model, self.pos_B
-        x_BD = model.embed(self.tok_B)
+        x_B1D = model.embed(self.tok_B)[:, None]  # one position a stream
         cos_B11d, sin_B11d = self.cos_Wd[pos_B][:, None, None], self.sin_Wd[pos_B][:, None, None]
         future_BW = self.positions_W > pos_B[:, None]  # keys a query must not see (stale slots included)
         mask_B11W = torch.zeros(future_BW.shape, dtype=self.dtype, device=self.device).masked_fill_(
             future_BW, -math.inf)[:, None, None, :]
         slots_N = (self.first_B2H + pos_B[:, None, None]).view(-1)  # N = B*2*H rows of a cache row's view
         for i in range(len(model.rows)):
-            q, kv = self.qkv_step(x_BD, *self.attn_norms[i], self.w_qkv[i], cos_B11d, sin_B11d, self.n_heads,
-                                  self.products)
-            y_BH1d = self._attend(i, q, kv, mask_B11W, slots_N)
-            x_BD = self.tail_step(x_BD, y_BH1d, self.w_proj[i], *self.mlp_norms[i], self.mlps[i])
-        return self.head_step(x_BD, *self.final_norm, self.w_head, self.products)
+            q_BH1d, kv_B2H1d = self.qkv_step(x_B1D, *self.attn_norms[i], self.w_qkv[i], cos_B11d, sin_B11d,
+                                             self.n_heads, self.products)
+            y_BH1d = self._attend(i, q_BH1d, kv_B2H1d, mask_B11W, slots_N)
+            x_B1D = self.tail_step(x_B1D, y_BH1d, self.w_proj[i], *self.mlp_norms[i], self.mlps[i], self.products)
+        return self.head_step(x_B1D, *self.final_norm, self.w_head, self.products)[:, 0]
 
     def _step(self) -> Tensor:
         """One character of every stream: forward, pick, record; the unit a CUDA graph captures."""
@@ -396,22 +349,19 @@ class Decoder:
 
     def _window_forward(self, streams_n: Tensor, T: int) -> None:
         """Keys and values of the first T characters of `text_BW` of streams_n into their cache slots
-        0..T-1: the model's forward of a prefill, through the step's functions ([n*T] rows; attention
-        causal among the T positions, as the model's). Nothing is returned: the window's last character
-        is the next step's input. Static shapes; no host sync where every row's MLP has none."""
-        n, H, Dh = streams_n.shape[0], self.n_heads, self.head_dim
-        ids_N = self.text_BW.index_select(0, streams_n)[:, :T].reshape(-1)          # N = n*T positions
-        x_ND = self.model.embed(ids_N)
-        cos_N11d = self.cos_Wd[:T].repeat(n, 1)[:, None, None]
-        sin_N11d = self.sin_Wd[:T].repeat(n, 1)[:, None, None]
-        slots_N = (self.first_B2H.index_select(0, streams_n)[:, None] + self.positions_W[:T, None, None]).view(-1)
+        0..T-1: the model's row over [n, T] positions (causal attention among them), each row's keys
+        and values written in between. Nothing is returned: the window's last character is the next
+        step's input. Static shapes; no host sync where every row's MLP window form has none."""
+        n, Dh = streams_n.shape[0], self.head_dim
+        x_nTD = self.model.embed(self.text_BW.index_select(0, streams_n)[:, :T])
+        cos_Td, sin_Td = self.cos_Wd[:T], self.sin_Wd[:T]
+        slots_N = (self.first_B2H.index_select(0, streams_n)[..., None] + self.positions_W[:T]).view(-1)  # [n, 2, H, T]
         for i in range(len(self.model.rows)):
-            q_NHd, kv_N2Hd = decode_step.qkv_step(x_ND, *self.attn_norms[i], self.w_qkv[i], cos_N11d, sin_N11d, H)
-            self.kv_R2BHWd[i].view(-1, Dh).index_copy_(0, slots_N, kv_N2Hd.reshape(-1, Dh))
-            q_nHTd, k_nHTd, v_nHTd = (t.view(n, T, H, Dh).transpose(1, 2) for t in (q_NHd, kv_N2Hd[:, 0], kv_N2Hd[:, 1]))
-            y_nHTd = F.scaled_dot_product_attention(q_nHTd, k_nHTd, v_nHTd, is_causal=True)
-            x_ND = decode_step.tail_step(x_ND, y_nHTd.transpose(1, 2).reshape(n * T, H, Dh), self.w_proj[i],
-                                         *self.mlp_norms[i], self.window_mlps[i])
+            q_nHTd, kv_n2HTd = decode_step.qkv_step(x_nTD, *self.attn_norms[i], self.w_qkv[i], cos_Td, sin_Td,
+                                                    self.n_heads)
+            self.kv_R2BHWd[i].view(-1, Dh).index_copy_(0, slots_N, kv_n2HTd.reshape(-1, Dh))
+            y_nHTd = rowmath.causal_attention(q_nHTd, kv_n2HTd[:, 0], kv_n2HTd[:, 1])
+            x_nTD = decode_step.tail_step(x_nTD, y_nHTd, self.w_proj[i], *self.mlp_norms[i], self.window_mlps[i])
 
 
 class _Readback:
@@ -443,14 +393,27 @@ class _Readback:
         return self.host_CB[start:end].tolist()
 
 
+def _check(device: torch.device, window: int, keep: int | None, graphs: bool, expert_path: str,
+           compiled: bool) -> None:
+    """A Decoder's arguments, or ValueError naming what is wrong."""
+    if graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; the model is on {device.type}")
+    if expert_path not in EXPERT_PATHS:
+        raise ValueError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
+    if compiled and device.type != "cuda":
+        raise ValueError(f"a compiled step needs a CUDA device (Triton); the model is on {device.type}")
+    if keep is not None and not 1 <= keep <= window:
+        raise ValueError(f"keep must be 1..{window} (the window); got {keep}")
+
+
+_EAGER_PIECES = (decode_step.qkv_step, rowmath.attend_products, decode_step.tail_step, decode_step.head_step)
 _COMPILED: tuple | None = None
 
 
 def _compiled_pieces() -> tuple:
-    """qkv_step, attend_step, tail_step and head_step through torch.compile, made once per process
+    """qkv_step, attend_products, tail_step and head_step through torch.compile, made once per process
     (dynamo's cache then serves every decoder of the same shapes)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = tuple(torch.compile(f, dynamic=False) for f in
-                          (decode_step.qkv_step, decode_step.attend_step, decode_step.tail_step, decode_step.head_step))
+        _COMPILED = tuple(torch.compile(f, dynamic=False) for f in _EAGER_PIECES)
     return _COMPILED

@@ -1,71 +1,82 @@
-"""The one-character step's math as functions of tensors: what `decode.Decoder` runs eagerly, captures
-in a CUDA graph and, with `compiled`, hands to torch.compile. Every weight is an argument, never a
-module, so one compiled piece serves every row without a recompile (dynamo guards on a module's
-identity; on a tensor argument's shape, dtype and strides, which every row shares).
+"""The decoder's pieces (minagi/decode.py): a row's functions (minagi/rowmath.py) cut where the cache
+write goes, and each MLP kind's step. What `decode.Decoder` runs eagerly, captures in a CUDA graph
+and, with `compiled`, hands to torch.compile: every weight is an argument or a tensor held by a step
+object, never a module, so one compiled piece serves every row without a recompile (dynamo guards
+on a module's identity; on a step object's type and on its tensors' shapes, dtypes and strides,
+which every row shares).
 
-Shape legend: B streams, D model width, H heads, Dh head width, E experts, K top_k, S = B*K routed
-rows, F expert width, V vocabulary.
+Shape legend: B streams, T positions, D model width, H heads, Dh head width, E experts, K top_k,
+S = B*K routed rows, F expert width, V vocabulary, N characters.
 
-A row is `qkv_step` (norm, qkv, RoPE), the cache write (decode.py: in place, so it stays outside any
-compiled piece: compiled, an in-place update of a graph input became a copy of the whole cache,
-../shared/REFERENCE.md §9), the attention over the cache (SDPA, or `attend_step`), then `tail_step`
-(projection, residual, norm, MLP, residual). Each computes what the model's own modules compute, in
-the same order and dtypes.
+A row is `qkv_step` (rowmath's norm, qkv and heads; RoPE on q and k at once), the cache write
+(decode.py: in place, so it stays outside any compiled piece: compiled, an in-place update of a
+graph input became a copy of the whole cache, ../shared/REFERENCE.md §9), the attention
+(rowmath's `window_attention` or `attend_products`; a prefill's `causal_attention`), then `tail_step`
+(projection, residual, norm, MLP, residual).
+
+Each MLP kind makes its own step (`DenseMLP.decoder`, `PooledMLP.decoder`, from `dense_steps` and
+`pooled_steps` here), all called alike, `step(x_ND) -> y_ND` in the compute dtype: `DenseStep` (its SwiGLU),
+`GatheredStep` (each routed row's top_k experts gathered, as gpt-fast's mixtral-moe), `GroupedStep`
+(torch's grouped GEMM on the whole stacks: an expert read once however many streams chose it),
+`FrozenStep` (gathered through the expert-weights seam: a frozen stack dequantizes just the chosen
+experts) and, for a prefill's many positions where no other kind applies, `PoolStep` (the pool's
+own forward). Each MLP gives a step's form and a window's (the prefill's).
 
 `products` (a compiled step of few streams): the matrix-vector products of qkv, projection, router
-and head are written as products and a sum (`linear_step`), the gathered experts' too, the attention
-as `attend_step`, the top-k as rounds of argmax (`top_k_by_rounds`); the dense twin's SwiGLU and the
-grouped path keep their GEMMs. Eagerly that would materialise every product; compiled, inductor
-makes each one reduction kernel that reads its weights once and fuses what feeds it and what
-follows (the experts' gather, the router's softmax with the top-k), where the extern GEMV, sort and
-SDPA kernels were ~2.6 µs each and many (docs/benchmarks.md §11). The same math up to the order of
-fp32 sums.
+and head written as products and a sum (`rowmath.linear`), the gathered experts' too
+(`gathered_products`), the attention as `rowmath.attend_products`, the top-k as rounds of argmax
+(`top_k_by_rounds`); the dense twin's SwiGLU and the grouped path keep their GEMMs. Compiled,
+inductor fuses the experts' gather, the router's softmax with the top-k, where the extern GEMV, sort
+and SDPA kernels were ~2.6 µs each and many (docs/benchmarks.md §11). The same math up to the order
+of fp32 sums.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from . import rowmath
 from .dense import dense_swiglu
 from .dispatch import make_plan, run_native
+from .experts import ExpertStack
 from .mlp import compute_dtype
 from .router import chosen_gates, choose_experts
 from .swiglu import swiglu_eager
 
-__all__ = ["MLPWeights", "attend_step", "head_step", "linear_step", "mlp_step", "qkv_step", "rope_step",
-           "route_step", "tail_step", "top_k_by_rounds"]
+__all__ = ["DenseStep", "FrozenStep", "GatheredStep", "GroupedStep", "PoolStep", "StepOptions", "auto_grouped",
+           "dense_steps", "gathered_products", "head_step", "pooled_steps", "qkv_step", "route_step", "tail_step",
+           "top_k_by_rounds"]
 
 
-class MLPWeights(NamedTuple):
-    """A row's MLP for the step. kind: `gathered` (each routed row's top_k experts gathered, as
-    gpt-fast's mixtral-moe), `grouped` (torch's grouped GEMM on the whole stacks: an expert read once
-    however many streams chose it), `dense`, `stack` (gathered through the expert-weights seam:
-    frozen stacks dequantize just the chosen experts), or `module` (the row's own MLP module, for a
-    prefill's many positions where no other kind applies: its output alone). tensors: router [E, D], its selection bias
-    [E] or None, then the stacks gate_up [E, D, 2F], down [E, F, D] (`dense`: [D, 2H], [H, D]; `stack`:
-    the router's two only; `gathered` with `products`: the stacks transposed, [E, 2F, D] and [E, D, F],
-    so that each product sums along contiguous memory)."""
-    kind: str
-    tensors: tuple
-    top_k: int = 0
-    fused: bool = False  # the grouped path's SwiGLU may use the Triton kernels
-    stack: object = None  # `stack`: its `weights(dtype, experts=ids)`; `module`: the module
-    products: bool = False  # the row's projection, router, top-k and gathered experts as sums (module docstring)
-    in_place: bool = False  # `stack`, offloaded: read the chosen experts from their pinned homes
+# ------------------------------------------------------------------------------ the row's pieces
+
+def qkv_step(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_qkv: Tensor, cos_d: Tensor, sin_d: Tensor,
+             n_heads: int, products: bool = False) -> tuple[Tensor, Tensor]:
+    """q [B, H, T, Dh] rotated, and the rotated k with v, [B, 2, H, T, Dh] (one source for the cache
+    write). cos_d, sin_d: `rowmath.rolled_tables`, broadcast against [B, H, T, Dh]."""
+    qkv_3BHTd = rowmath.attention_inputs(x_BTD, norm_D, eps, w_qkv, n_heads, products)
+    qk_2BHTd = rowmath.rope_rolled(qkv_3BHTd[:2], cos_d, sin_d)  # q and k rotated together
+    return qk_2BHTd[0], torch.stack([qk_2BHTd[1], qkv_3BHTd[2]], 1)
 
 
-def linear_step(x_BI: Tensor, w_OI: Tensor, products: bool) -> Tensor:
-    """F.linear [B, I] x [O, I] -> [B, O] in the compute dtype; with `products`, as products summed in
-    fp32 (one reduction kernel compiled; it reads the weight once per row, so for few rows only)."""
-    if not products:
-        return F.linear(x_BI, w_OI)
-    dtype = compute_dtype(x_BI)  # both operands rounded to it, as autocast rounds F.linear's
-    return (x_BI.to(dtype)[..., None, :].float() * w_OI.to(dtype).float()).sum(-1).to(dtype)
+def tail_step(x_BTD: Tensor, y_BHTd: Tensor, w_proj: Tensor, norm_D: Tensor, eps: float | None,
+              mlp: Callable[[Tensor], Tensor], products: bool = False) -> Tensor:
+    """The row after attention: x + proj(y), then + MLP(norm(x)), `mlp` a step of the row's MLP
+    (below). [B, T, D] -> [B, T, D]."""
+    x_BTD = rowmath.attention_residual(x_BTD, y_BHTd, w_proj, products)
+    return rowmath.mlp_residual(x_BTD, mlp(rowmath.mlp_input(x_BTD, norm_D, eps)))
 
+
+def head_step(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_head: Tensor, products: bool = False) -> Tensor:
+    """fp32 logits [B, T, V]."""
+    return rowmath.head(x_BTD, norm_D, eps, w_head, products).float()
+
+
+# ------------------------------------------------------------------------------ routing
 
 def top_k_by_rounds(scores_NE: Tensor, k: int) -> Tensor:
     """The top k indices [N, K] in descending order, as `topk`, by k rounds of argmax: compiled, one
@@ -80,91 +91,182 @@ def top_k_by_rounds(scores_NE: Tensor, k: int) -> Tensor:
     return torch.stack(ids, -1)
 
 
-def attend_step(q_BHd: Tensor, k_BHWd: Tensor, v_BHWd: Tensor, mask_B11W: Tensor) -> Tensor:
-    """SDPA of one query a stream over the window, as products and sums in fp32: [B, H, 1, Dh]."""
-    scores_BHW = (q_BHd.float()[:, :, None, :] * k_BHWd.float()).sum(-1) * q_BHd.shape[-1] ** -0.5
-    p_BHW = (scores_BHW + mask_B11W[:, :, 0, :]).softmax(-1)
-    return (p_BHW[..., None] * v_BHWd.float()).sum(2, keepdim=True).to(q_BHd.dtype)
-
-
-def rope_step(x: Tensor, cos_d: Tensor, sin_d: Tensor) -> Tensor:
-    """model.apply_rope's rotation, bit for bit, in fewer kernels: x cos + roll(x) sin, with tables
-    cos_d = [cos, cos] and sin_d = [-sin, sin] ([..., Dh], broadcast against x [..., Dh])."""
-    x_f = x.float()
-    return (x_f * cos_d + x_f.roll(x.shape[-1] // 2, -1) * sin_d).to(x.dtype)
-
-
-def route_step(x_BD: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: int,
+def route_step(x_ND: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: int,
                products: bool = False) -> tuple[Tensor, Tensor]:
-    """(expert ids [B, K], gates [B, K] fp32): `router.Router`'s choice, in fp32 as there, from
+    """(expert ids [N, K], gates [N, K] fp32): `router.Router`'s choice, in fp32 as there, from
     tensors (the router's own functions, without its replay memo)."""
-    with torch.autocast(x_BD.device.type, enabled=False):
-        probs_BE = linear_step(x_BD.float(), router_ED.float(), products).softmax(-1)
+    with torch.autocast(x_ND.device.type, enabled=False):
+        probs_NE = rowmath.linear(x_ND.float(), router_ED.float(), products).softmax(-1)
         if products:
-            ids_BK = top_k_by_rounds(probs_BE if bias_E is None else probs_BE + bias_E, top_k)
+            ids_NK = top_k_by_rounds(probs_NE if bias_E is None else probs_NE + bias_E, top_k)
         else:
-            ids_BK = choose_experts(probs_BE, bias_E, top_k)
-        return ids_BK, chosen_gates(probs_BE, ids_BK)
+            ids_NK = choose_experts(probs_NE, bias_E, top_k)
+        return ids_NK, chosen_gates(probs_NE, ids_NK)
 
 
-def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:
-    """[B, D] -> [B, D] in the compute dtype. (The residual add promotes it: the same bits as casting first.)"""
-    dtype = compute_dtype(x_BD)
-    if mlp.kind == "module":
-        return mlp.stack(x_BD, dropless=True, in_place=mlp.in_place)[0]
-    if mlp.kind == "dense":
-        return dense_swiglu(x_BD.to(dtype), *mlp.tensors)
-    router_ED, bias_E = mlp.tensors[:2]
-    ids_BK, gates_BK = route_step(x_BD, router_ED, bias_E, mlp.top_k, mlp.products)
-    if mlp.kind == "grouped":
-        gate_up_EDF2, down_EFD = mlp.tensors[2:]
-        plan = make_plan(ids_BK, gate_up_EDF2.shape[0])
-        return run_native(x_BD.to(dtype), gates_BK.to(dtype), gate_up_EDF2, down_EFD, plan, {}, fused=mlp.fused)
-    if mlp.products and mlp.kind == "gathered":
-        return gathered_products(x_BD.to(dtype), gates_BK.to(dtype), ids_BK, *mlp.tensors[2:])
-    ids_S = ids_BK.reshape(-1)
-    if mlp.kind == "stack":
-        gate_up_SDF2, down_SFD = mlp.stack.weights(dtype, experts=ids_S, in_place=mlp.in_place)
-    else:
-        gate_up_SDF2 = mlp.tensors[2].index_select(0, ids_S).to(dtype)
-        down_SFD = mlp.tensors[3].index_select(0, ids_S).to(dtype)
-    B, D = x_BD.shape
-    K = mlp.top_k
-    x_S1D = x_BD.to(dtype)[:, None, :].expand(B, K, D).reshape(B * K, 1, D)
-    act_S1F = swiglu_eager(torch.bmm(x_S1D, gate_up_SDF2), gates_BK.to(dtype).reshape(B * K, 1))
-    return torch.bmm(act_S1F, down_SFD).view(B, K, D).sum(1)  # the K outputs in routing order, as combine
+def auto_grouped(pool, n_streams: int) -> bool:
+    """Whether expert_path `auto` runs a resident pool grouped: where the pool itself runs torch's
+    grouped GEMM and many streams choose each expert several times a step (there it was 1.8x faster
+    on the H200); at batch 1 its sort and plan cost more than gathering 4 experts."""
+    return pool.path == "native" and n_streams * pool.cfg.top_k >= 2 * pool.n_experts
 
 
-def gathered_products(x_BD: Tensor, gates_BK: Tensor, ids_BK: Tensor, gate_up_EF2D: Tensor,
+# ------------------------------------------------------------------------------ the MLP steps
+
+class DenseStep:
+    """The dense twin's SwiGLU on gate_up [D, 2H], down [H, D]."""
+    host_sync = False  # whether a call may read back from the device (a prefill that does is not captured)
+
+    def __init__(self, gate_up_DH2: Tensor, down_HD: Tensor):
+        self.gate_up_DH2, self.down_HD = gate_up_DH2, down_HD
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        return dense_swiglu(x_ND.to(compute_dtype(x_ND)), self.gate_up_DH2, self.down_HD)
+
+
+class _Routed:
+    """A routed step's router [E, D], its selection bias [E] or None, top_k; `products`: the router
+    as a sum and the top-k by rounds."""
+    host_sync = False
+
+    def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, products: bool):
+        self.router_ED, self.bias_E, self.top_k, self.products = router_ED, bias_E, top_k, products
+
+    def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
+        return route_step(x_ND, self.router_ED, self.bias_E, self.top_k, self.products)
+
+
+class GatheredStep(_Routed):
+    """Each routed row's top_k experts gathered from resident stacks gate_up [E, D, 2F], down [E, F, D]
+    (with `products`, the stacks transposed, [E, 2F, D] and [E, D, F], so that each product sums
+    along contiguous memory), multiplied per routed row: no sort, no counts, no host sync."""
+
+    def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, gate_up: Tensor, down: Tensor,
+                 products: bool = False):
+        super().__init__(router_ED, bias_E, top_k, products)
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        dtype = compute_dtype(x_ND)
+        ids_NK, gates_NK = self.route(x_ND)
+        if self.products:
+            return gathered_products(x_ND.to(dtype), gates_NK.to(dtype), ids_NK, self.gate_up, self.down)
+        ids_S = ids_NK.reshape(-1)
+        gate_up_SDF2 = self.gate_up.index_select(0, ids_S).to(dtype)
+        down_SFD = self.down.index_select(0, ids_S).to(dtype)
+        return gathered_bmm(x_ND.to(dtype), gates_NK.to(dtype), gate_up_SDF2, down_SFD)
+
+
+class FrozenStep(_Routed):
+    """Gathered through the expert-weights seam: `stack.weights(dtype, experts=ids, in_place=...)`
+    dequantizes just the chosen experts (`in_place`: offloaded, read from their pinned homes)."""
+
+    def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, stack, in_place: bool = False,
+                 products: bool = False):
+        super().__init__(router_ED, bias_E, top_k, products)
+        self.stack, self.in_place = stack, in_place
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        dtype = compute_dtype(x_ND)
+        ids_NK, gates_NK = self.route(x_ND)
+        gate_up_SDF2, down_SFD = self.stack.weights(dtype, experts=ids_NK.reshape(-1), in_place=self.in_place)
+        return gathered_bmm(x_ND.to(dtype), gates_NK.to(dtype), gate_up_SDF2, down_SFD)
+
+
+class GroupedStep(_Routed):
+    """The pool's own grouped-GEMM path (`dispatch.run_native`) on whole resident stacks gate_up
+    [E, D, 2F], down [E, F, D]: sort and counts without a host sync. `fused`: the Triton SwiGLU may run."""
+
+    def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, gate_up_EDF2: Tensor,
+                 down_EFD: Tensor, fused: bool = False, products: bool = False):
+        super().__init__(router_ED, bias_E, top_k, products)
+        self.gate_up_EDF2, self.down_EFD, self.fused = gate_up_EDF2, down_EFD, fused
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        dtype = compute_dtype(x_ND)
+        ids_NK, gates_NK = self.route(x_ND)
+        plan = make_plan(ids_NK, self.gate_up_EDF2.shape[0])
+        return run_native(x_ND.to(dtype), gates_NK.to(dtype), self.gate_up_EDF2, self.down_EFD, plan, {},
+                          fused=self.fused)
+
+
+class PoolStep:
+    """A prefill's pool where no other kind applies: the pool's own forward, dropless (its dispatch
+    path, frozen stacks included; `in_place` as `PooledMLP.forward`). Its output alone."""
+    host_sync = True  # the bucketed paths read their group sizes back
+
+    def __init__(self, pool, in_place: bool = False):
+        self.pool, self.in_place = pool, in_place
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        return self.pool(x_ND, dropless=True, in_place=self.in_place)[0]
+
+
+def gathered_bmm(x_ND: Tensor, gates_NK: Tensor, gate_up_SDF2: Tensor, down_SFD: Tensor) -> Tensor:
+    """Each routed row through its gathered expert ([S, D, 2F], [S, F, D], S = N*K in routing order)
+    by bmm, the K outputs summed in routing order, as combine. [N, D] -> [N, D]."""
+    (N, D), K = x_ND.shape, gates_NK.shape[1]
+    x_S1D = x_ND[:, None, :].expand(N, K, D).reshape(N * K, 1, D)
+    act_S1F = swiglu_eager(torch.bmm(x_S1D, gate_up_SDF2), gates_NK.reshape(N * K, 1))
+    return torch.bmm(act_S1F, down_SFD).view(N, K, D).sum(1)
+
+
+def gathered_products(x_ND: Tensor, gates_NK: Tensor, ids_NK: Tensor, gate_up_EF2D: Tensor,
                       down_EDF: Tensor) -> Tensor:
     """The gathered path as products and sums over the transposed stacks: each routed row's expert
     read where it lies (compiled, the gather is the reduction's own indexed load, no copy; the sums
-    run along contiguous memory: the stacks' own layout made the down sum 5x slower). [B, D] -> [B, D]."""
-    dtype = x_BD.dtype
-    h_BKF2 = (x_BD[:, None, None, :].float() * gate_up_EF2D[ids_BK].float()).sum(-1).to(dtype)
-    act_BKF = swiglu_eager(h_BKF2, gates_BK)
-    y_BKD = (act_BKF[:, :, None, :].float() * down_EDF[ids_BK].float()).sum(-1).to(dtype)
-    return y_BKD.sum(1)  # the K outputs in routing order, as combine
+    run along contiguous memory: the stacks' own layout made the down sum 5x slower). [N, D] -> [N, D]."""
+    dtype = x_ND.dtype
+    h_NKF2 = (x_ND[:, None, None, :].float() * gate_up_EF2D[ids_NK].float()).sum(-1).to(dtype)
+    act_NKF = swiglu_eager(h_NKF2, gates_NK)
+    y_NKD = (act_NKF[:, :, None, :].float() * down_EDF[ids_NK].float()).sum(-1).to(dtype)
+    return y_NKD.sum(1)  # the K outputs in routing order, as combine
 
 
-def qkv_step(x_BD: Tensor, norm_D: Tensor, eps: float | None, w_qkv: Tensor, cos_B11d: Tensor, sin_B11d: Tensor,
-             n_heads: int, products: bool = False) -> tuple[Tensor, Tensor]:
-    """The attention's inputs for one position a stream: q [B, H, Dh] and the rotated k with v,
-    [B, 2, H, Dh] (one source for the cache write)."""
-    B, D = x_BD.shape
-    qkv_B3Hd = linear_step(F.rms_norm(x_BD, (D,), norm_D, eps), w_qkv, products).view(B, 3, n_heads, -1)
-    qk_B2Hd = rope_step(qkv_B3Hd[:, :2], cos_B11d, sin_B11d)  # q and k rotated together
-    return qk_B2Hd[:, 0], torch.stack([qk_B2Hd[:, 1], qkv_B3Hd[:, 2]], 1)
+# ------------------------------------------------------------------------------ each MLP's steps
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the decoder runs its MLPs (`decode.Decoder`'s arguments, resolved)."""
+    cast: Callable[[Tensor], Tensor]  # a weight in the writing dtype (on the CPU the parameter itself)
+    n_streams: int
+    expert_path: str = "auto"         # auto | gathered | grouped
+    products: bool = False
+    compiled: bool = False
+    read_in_place: bool = False       # offloaded frozen stacks: the chosen experts read from their homes
 
 
-def tail_step(x_BD: Tensor, y_BHd: Tensor, w_proj: Tensor, norm_D: Tensor, eps: float | None,
-              mlp: MLPWeights) -> Tensor:
-    """The row after attention: x + proj(y), then + MLP(norm(x)). [B, D] -> [B, D]."""
-    B, D = x_BD.shape
-    x_BD = x_BD + linear_step(y_BHd.reshape(B, -1), w_proj, mlp.products)
-    return x_BD + mlp_step(F.rms_norm(x_BD, (D,), norm_D, eps), mlp)
+def dense_steps(mlp, options: StepOptions) -> tuple[DenseStep, DenseStep]:
+    """The dense twin's step and window forms: one SwiGLU on cast copies of its weights."""
+    step = DenseStep(options.cast(mlp.gate_up), options.cast(mlp.down))
+    return step, step
 
 
-def head_step(x_BD: Tensor, norm_D: Tensor, eps: float | None, w_head: Tensor, products: bool = False) -> Tensor:
-    """fp32 logits [B, V]."""
-    return linear_step(F.rms_norm(x_BD, (x_BD.shape[-1],), norm_D, eps), w_head, products).float()
+def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolStep]:
+    """A pool's step (gathered, grouped or frozen: `decode.Decoder`'s expert_path) and its window
+    form: resident experts on torch's grouped GEMM where the pool runs it ("native": no host sync,
+    so a slide can be captured), otherwise the pool's own forward."""
+    router = pool.router
+    route = (router.weight.detach(), router.selection_bias if router.aux_free_bias else None, pool.cfg.top_k)
+    if not isinstance(pool.experts, ExpertStack):  # frozen: through the seam
+        if options.expert_path == "grouped":
+            raise ValueError("expert_path 'grouped' runs whole resident stacks; this pool's experts are "
+                             "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
+        if options.compiled:
+            raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
+        return (FrozenStep(*route, pool.experts, options.read_in_place, options.products),
+                PoolStep(pool, options.read_in_place))
+    grouped = options.expert_path == "grouped" or (options.expert_path == "auto"
+                                                   and auto_grouped(pool, options.n_streams))
+    gate_up, down = options.cast(pool.experts.gate_up), options.cast(pool.experts.down)
+    fused = pool.cfg.swiglu == "auto"
+    if grouped:
+        step = GroupedStep(*route, gate_up, down, fused, options.products)
+    elif options.products:  # gathered_products sums along contiguous memory: the stacks transposed
+        gate_up, down = (s.transpose(1, 2).contiguous() for s in (gate_up, down))
+        step = GatheredStep(*route, gate_up, down, products=True)
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)  # the window's: [E, D, 2F], [E, F, D] views
+    else:
+        step = GatheredStep(*route, gate_up, down)
+    window = GroupedStep(*route, gate_up, down, fused) if pool.path == "native" else PoolStep(pool)
+    return step, window

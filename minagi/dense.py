@@ -42,3 +42,8 @@ class DenseMLP(nn.Module):
         dtype = compute_dtype(x_ND)
         y_ND = dense_swiglu(x_ND.to(dtype), self.gate_up.to(dtype), self.down.to(dtype))
         return y_ND.to(x_ND.dtype), MLPAux(x_ND.new_zeros((), dtype=torch.float32), None)
+
+    def decoder(self, options):
+        """This MLP's decode step and prefill form (minagi/decode_step.py `dense_steps`)."""
+        from . import decode_step  # here: decode_step imports dense_swiglu from this module
+        return decode_step.dense_steps(self, options)

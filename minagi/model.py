@@ -1,11 +1,12 @@
-"""The character-level MoE language model: rows of attention + PooledMLP (or the dense twin), and a KV cache.
+"""The character-level MoE language model: rows of attention + PooledMLP (or the dense twin).
 
-`KVCache` grows with a Python length (prefill, `generate`'s one-position steps); the static cache
-and the fixed-shape step that writing runs live in minagi/decode.py, on the same weights, RoPE
-(`rope_tables`, `apply_rope`) and modules.
+The modules hold the weights; a row's math is minagi/rowmath.py's functions of tensors, which the
+decoder (minagi/decode.py: the static cache, the one-character step, the prefill) runs on the same
+weights. The model has no cache: the growing `KVCache` and the cached `generate` it served were
+removed (the decoder replaced them); writing's readable reference, `sampling.generate`, runs this
+forward over the whole window for every character.
 
-Shape legend: B batch, T positions, D model width, H heads, Dh head width, V vocabulary,
-L cached length, N = B*T characters.
+Shape legend: B batch, T positions, D model width, H heads, Dh head width, V vocabulary, N = B*T characters.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import recompute
+from . import recompute, rowmath
 from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
 from .dispatch import resolve_dispatch
@@ -34,42 +35,9 @@ class LMOutput(NamedTuple):
     routing: list             # per row: its pool's RouteCounts (None for a dense row); the trainer counts them
 
 
-class KVCache:
-    """Keys and values of every row for incremental decoding: [rows, B, H, max_len, Dh]."""
-
-    def __init__(self, n_rows: int, batch_size: int, n_heads: int, head_dim: int, max_len: int):
-        self.shape = (n_rows, batch_size, n_heads, max_len, head_dim)
-        self.max_len = max_len
-        self.length = 0
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-
-    def update(self, row: int, k_BHTd: Tensor, v_BHTd: Tensor) -> tuple[Tensor, Tensor]:
-        """Append this call's keys/values for `row`; return all cached so far (this call included)."""
-        if self.k is None:  # allocated lazily, in the dtype attention runs in
-            self.k = k_BHTd.new_zeros(self.shape)
-            self.v = v_BHTd.new_zeros(self.shape)
-        end = self.length + k_BHTd.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache is full: {end} positions > max_len {self.max_len}")
-        self.k[row, :, :, self.length:end] = k_BHTd
-        self.v[row, :, :, self.length:end] = v_BHTd
-        return self.k[row, :, :, :end], self.v[row, :, :, :end]
-
-
-def rope_tables(positions_T: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions_T.device, dtype=torch.float32) / head_dim)
-    angles_Td = torch.outer(positions_T.float(), inv_freq)  # [T, Dh/2]
-    return angles_Td.cos(), angles_Td.sin()
-
-
-def apply_rope(x_BHTd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
-    x1, x2 = x_BHTd.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos_Td - x2 * sin_Td, x1 * sin_Td + x2 * cos_Td), dim=-1)
-    return rotated.to(x_BHTd.dtype)
-
-
 class Attention(nn.Module):
+    """A row's attention weights (qkv, proj) and its RoPE tables; the math is minagi/rowmath.py's."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_base = cfg.n_heads, cfg.head_dim, cfg.rope_base
@@ -79,34 +47,16 @@ class Attention(nn.Module):
         # RoPE tables for the context's positions, made once: computed in forward, a compiled step
         # fused the cos/sin into every rotated element (37 of a 156 ms h200 step, docs/benchmarks.md §10).
         # Not persistent: checkpoints stay as they were.
-        cos_Td, sin_Td = rope_tables(torch.arange(cfg.context), cfg.head_dim, cfg.rope_base)
+        cos_Td, sin_Td = rowmath.rope_tables(torch.arange(cfg.context), cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos_Td, persistent=False)
         self.register_buffer("rope_sin", sin_Td, persistent=False)
 
-    def rope(self, start: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, Dh/2] of positions start..start+T-1: the tables' rows, or made for positions
-        past the context (a longer cache) and for tables a dtype cast has rounded (model.half())."""
-        if start + T <= self.rope_cos.shape[0] and self.rope_cos.dtype == torch.float32:
-            return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        return rope_tables(torch.arange(start, start + T, device=device), self.head_dim, self.rope_base)
-
-    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None) -> Tensor:
-        B, T, D = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x [B,H,T,Dh]
-        start = cache.length if cache is not None else 0
-        cos, sin = self.rope(start, T, x_BTD.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(row, k, v)  # [B, H, L, Dh]
-        if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        elif T == 1:  # one new position sees everything cached
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:  # a chunk appended to a cache: query i sees keys up to start + i
-            mask_TL = torch.arange(k.shape[2], device=x_BTD.device) <= torch.arange(start, start + T, device=x_BTD.device)[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TL)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+    def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, Dh/2] of positions 0..T-1: the tables' rows, or made for positions past the
+        context (a longer sequence) and for tables a dtype cast has rounded (model.half())."""
+        if T <= self.rope_cos.shape[0] and self.rope_cos.dtype == torch.float32:
+            return self.rope_cos[:T], self.rope_sin[:T]
+        return rowmath.rope_tables(torch.arange(T, device=device), self.head_dim, self.rope_base)
 
 
 class Row(nn.Module):
@@ -122,22 +72,26 @@ class Row(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.checkpointed = checkpointed
 
-    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool = False
-                ) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_BTD: Tensor, dropless: bool = False) -> tuple[Tensor, MLPAux]:
         if self.checkpointed:
-            return recompute.checkpointed(self._forward, x_BTD, row, cache, dropless)
-        return self._forward(x_BTD, row, cache, dropless)
+            return recompute.checkpointed(self._forward, x_BTD, dropless)
+        return self._forward(x_BTD, dropless)
 
-    def _forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool) -> tuple[Tensor, MLPAux]:
-        x_BTD = x_BTD + self.resid_drop(self.attn(self.attn_norm(x_BTD), row, cache))
-        B, T, D = x_BTD.shape
-        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D), dropless=dropless)
-        return x_BTD + self.resid_drop(y_ND.view(B, T, D)), aux
+    def _forward(self, x_BTD: Tensor, dropless: bool) -> tuple[Tensor, MLPAux]:
+        """rowmath's row on this row's weights (the decoder runs the same functions on its copies)."""
+        attn, T = self.attn, x_BTD.shape[1]
+        q, k, v = rowmath.attention_inputs(x_BTD, self.attn_norm.weight, self.attn_norm.eps, attn.qkv.weight,
+                                           attn.n_heads)  # 3 x [B, H, T, Dh]
+        cos_Td, sin_Td = attn.rope(T, x_BTD.device)
+        q, k = rowmath.apply_rope(q, cos_Td, sin_Td), rowmath.apply_rope(k, cos_Td, sin_Td)
+        y_BHTd = rowmath.causal_attention(q, k, v, attn.dropout if self.training else 0.0)
+        x_BTD = rowmath.attention_residual(x_BTD, y_BHTd, attn.proj.weight, drop=self.resid_drop)
+        y_ND, aux = self.mlp(rowmath.mlp_input(x_BTD, self.mlp_norm.weight, self.mlp_norm.eps), dropless=dropless)
+        return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
 
 
 class CharLM(nn.Module):
-    """Embedding, `n_rows` rows, final norm, head.
-    `forward(idx, targets=None, cache=None, dropless=False) -> LMOutput`.
+    """Embedding, `n_rows` rows, final norm, head. `forward(idx, targets=None, dropless=False) -> LMOutput`.
 
     Built whole (`build_model` resolves the pieces for a device): `stacks`, the services each row's
     expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
@@ -175,26 +129,20 @@ class CharLM(nn.Module):
             nn.init.normal_(row.attn.proj.weight, std=residual_std)
             row.mlp.reset_parameters(std=0.02, down_std=residual_std)
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None,
-                dropless: bool = False) -> LMOutput:
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, dropless: bool = False) -> LMOutput:
         """`dropless`: the pools compute every routed row whatever their capacity (writing)."""
         x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []
-        for i, row in enumerate(self.rows):
-            x, row_aux = row(x, i, cache, dropless)
+        for row in self.rows:
+            x, row_aux = row(x, dropless)
             aux = aux + row_aux.loss
             routing.append(row_aux.counts)
-        if cache is not None:
-            cache.length += idx_BT.shape[1]
-        logits = self.head(self.final_norm(x))
+        logits = rowmath.head(x, self.final_norm.weight, self.final_norm.eps, self.head.weight)
         loss = None
         if targets_BT is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1))
         return LMOutput(logits, loss, aux, routing)
-
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.cfg.n_rows, batch_size, self.cfg.n_heads, self.cfg.head_dim, max_len)
 
     def pools(self) -> list[PooledMLP]:
         """The rows' pools, in row order ([] for the dense twin)."""

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import recompute
+from . import decode_step, recompute
 from .config import PoolConfig
 from .dispatch import RUNNERS, host_layout, make_plan
 from .experts import ExpertStack
@@ -79,6 +79,10 @@ class PooledMLP(nn.Module):
         y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
                                             in_place=in_place)
         return y_ND, MLPAux(self.aux_loss(routing), counts)
+
+    def decoder(self, options: decode_step.StepOptions):
+        """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""
+        return decode_step.pooled_steps(self, options)
 
     def aux_loss(self, routing) -> Tensor:
         aux = routing.logits_NE.new_zeros(())

@@ -1,18 +1,20 @@
-"""Writing text with a trained model: the fast path (`write`: B streams, a static cache, CUDA graphs)
-and today's two (`generate`: the growing KV cache, and the readable reference without a cache).
+"""Writing text with a trained model: the fast path (`write`: B streams, the static cache of
+minagi/decode.py, CUDA graphs) and the readable reference it is tested against (`generate`: the
+model's whole forward over the window for every character, no cache). The growing KV cache and the
+cached `generate` that ran beside them were removed: the decoder replaced them.
 
 The model only ever sees the last `window` characters (default: the context it was trained on). When
-the cache is full and another character must go in, generation *slides*: a fresh cache is
-prefilled with the last `keep` characters written (default 7/8 of the window) and decoding goes on
+the window is full and another character must go in, writing *slides*: the stream restarts on the
+last `keep` characters written (default 7/8 of the window), prefilled again, and decoding goes on
 one position at a time from there. So every character is predicted from at least `keep` and at most
 `window` characters, and the re-prefill costs one forward of `keep` positions per `window - keep + 1`
 characters. `keep = window` gives nanoGPT's "crop to the last context characters every step" exactly
 (a full prefill per character); `keep = window - 1` slides by one character every other step.
 
-`generate(use_cache=False)` recomputes the whole conditioning sequence each step, sliding at the
-same points: the readable reference both cached paths are tested against (same seed -> same
-characters). `write` prefills a window's characters but the last and feeds that one to the step
-(minagi/decode.py), which is the same function; streams slide independently.
+`generate` recomputes the whole conditioning sequence each step, sliding at the same points: the
+reference the fast path is tested against (same seed -> same characters). `write` prefills a
+window's characters but the last and feeds that one to the step (minagi/decode.py), which is the
+same function; streams slide independently.
 
 Every path picks with `gumbel.pick` on the device the logits are on: greedy argmax at temperature 0,
 else Gumbel-max with noise hashed from (seed, character index), so a seed names the same text
@@ -24,7 +26,6 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterator
 
@@ -213,13 +214,13 @@ class _Slides:
         return {len(s) for s in (self.tick() for _ in range(horizon)) if s}
 
 
-# ------------------------------------------------------------------------------ today's paths
+# ------------------------------------------------------------------------------ the reference
 
-def _last_logits(model: CharLM, ids: list[int], device: torch.device, cache=None) -> Tensor:
-    """Logits [V] (fp32, on `device`) for the character after `ids`; appends `ids` to `cache`."""
+def _last_logits(model: CharLM, ids: list[int], device: torch.device) -> Tensor:
+    """Logits [V] (fp32, on `device`) for the character after `ids`: the model's whole forward."""
     idx_1T = torch.tensor([ids], dtype=torch.long, device=device)
     with inference(model, device):
-        logits_1TV = model(idx_1T, cache=cache, dropless=True).logits
+        logits_1TV = model(idx_1T, dropless=True).logits
     return logits_1TV[0, -1].float()
 
 
@@ -231,31 +232,27 @@ def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | No
 
 def generate(model: CharLM, vocab: Vocab, prompt: str, n_chars: int, temperature: float = 0.8,
              top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
-             use_cache: bool = True, window: int | None = None, keep: int | None = None) -> Iterator[str]:
-    """Yield `n_chars` characters written after `prompt`, one at a time, as each is sampled.
+             window: int | None = None, keep: int | None = None) -> Iterator[str]:
+    """Yield `n_chars` characters written after `prompt`, one at a time, as each is sampled: the
+    readable reference, which runs the model's whole forward over the window for every character
+    (slow: `write` is the fast path, tested equal to this).
 
     device: where the model's parameters are (default: there). window: most characters the model
-    sees (default and maximum: its trained context). keep: characters re-prefilled on a slide
-    (default `default_keep(window)`, 1..window). The prompt is not yielded; a prompt longer than
-    the window conditions on its last `window` characters.
+    sees (default and maximum: its trained context). keep: characters kept on a slide (default
+    `default_keep(window)`, 1..window). The prompt is not yielded; a prompt longer than the window
+    conditions on its last `window` characters.
     Arguments are checked here, before the first character is asked for: SamplingError for a bad
     number, VocabError naming prompt characters outside the vocabulary.
     """
     (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep)
     device = _model_device(model, device)
-    return _stream(model, vocab, ids, n_chars, temperature, top_k, seed, device, use_cache, window, keep)
+    return _stream(model, vocab, ids, n_chars, temperature, top_k, seed, device, window, keep)
 
 
 def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperature: float, top_k: int,
-            seed: int, device: torch.device, use_cache: bool, window: int, keep: int) -> Iterator[str]:
+            seed: int, device: torch.device, window: int, keep: int) -> Iterator[str]:
     keys_12 = stream_keys([seed], device)
     start = max(0, len(ids) - window)  # the model sees ids[start:], never more than `window` of them
-
-    def restart() -> tuple[object, Tensor]:
-        cache = model.new_cache(1, window) if use_cache else None
-        return cache, _last_logits(model, ids[start:], device, cache)
-
-    cache, logits_V = restart() if n_chars else (None, None)
     noise_CV = None
     for written in range(1, n_chars + 1):
         index = written - 1  # of this character in the stream: its noise
@@ -264,15 +261,8 @@ def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperatu
                 counts_C = torch.arange(index, index + _NOISE_CHUNK, device=device)
                 noise_CV = gumbel_noise(keys_12, counts_C, model.vocab_size)[:, 0]
         noise_V = None if noise_CV is None else noise_CV[index % _NOISE_CHUNK]
-        char_id = _pick(logits_V, temperature, top_k, noise_V)
+        char_id = _pick(_last_logits(model, ids[start:], device), temperature, top_k, noise_V)
         ids.append(char_id)
         yield vocab.chars[char_id]
-        if written == n_chars:
-            break  # the last character needs no forward
-        if len(ids) - start > window:  # the new character does not fit: slide
+        if len(ids) - start > window:  # the next character does not fit: slide to the last `keep`
             start = len(ids) - keep
-            cache, logits_V = restart()
-        elif use_cache:
-            logits_V = _last_logits(model, [char_id], device, cache)  # one position
-        else:
-            logits_V = _last_logits(model, ids[start:], device)       # the reference: recompute all

@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minagi import decode, decode_step, sampling
+from minagi import decode, decode_step, rowmath, sampling
 from minagi.config import ExpertsConfig, load_config
 from minagi.data import Vocab
 from minagi.decode import Decoder
+from minagi.decode_step import DenseStep, GatheredStep, GroupedStep
 from minagi.model import CharLM, build_model
+from minagi.router import choose_experts
 from minagi.sampling import generate, write
 
 CONTEXT = 16
@@ -84,7 +86,7 @@ def fast(model, prompts, n, **kwargs) -> list[str]:
 
 def reference(model, prompt, n, **kwargs) -> str:
     kwargs = {"temperature": 1.0, "top_k": 0, "seed": 7, **kwargs}
-    return "".join(generate(model, VOCAB, prompt, n, use_cache=False, **kwargs))
+    return "".join(generate(model, VOCAB, prompt, n, **kwargs))
 
 
 # ------------------------------------------------------------------------------ static == reference
@@ -120,30 +122,32 @@ def test_the_products_step_writes_the_references_text_across_slides(model, tempe
 def test_the_products_pieces_compute_what_the_gemv_sort_and_sdpa_pieces_compute():
     torch.manual_seed(0)
     x_BD, w_OD = torch.randn(3, 32), torch.randn(48, 32)
-    torch.testing.assert_close(decode_step.linear_step(x_BD, w_OD, True), F.linear(x_BD, w_OD), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rowmath.linear(x_BD, w_OD, True), F.linear(x_BD, w_OD), rtol=1e-5, atol=1e-5)
     scores_NE = torch.randn(64, 16)
     for k in (1, 2, 5):
         assert torch.equal(decode_step.top_k_by_rounds(scores_NE, k), scores_NE.topk(k, dim=-1).indices)
     ties = torch.tensor([[1.0, 1.0, 1.0, 0.0], [-math.inf, 0.5, -math.inf, -math.inf]])
     assert decode_step.top_k_by_rounds(ties, 2).tolist() == [[0, 1], [1, 0]]  # distinct, whatever the ties
     probs_NE, bias_E = torch.rand(64, 16).softmax(-1), torch.randn(16) * 0.01  # the aux-free bias
-    expected = decode_step.choose_experts(probs_NE, bias_E, 3)
+    expected = choose_experts(probs_NE, bias_E, 3)
     assert torch.equal(decode_step.top_k_by_rounds(probs_NE + bias_E, 3), expected)
-    q_BHd, k_BHWd, v_BHWd = torch.randn(2, 3, 8), torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
+    q_BH1d, k_BHWd, v_BHWd = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 10, 8), torch.randn(2, 3, 10, 8)
     mask_B11W = torch.zeros(2, 1, 1, 10).masked_fill_(torch.arange(10) > torch.tensor([[[[4]]], [[[9]]]]), -math.inf)
-    expected = F.scaled_dot_product_attention(q_BHd[:, :, None], k_BHWd, v_BHWd, attn_mask=mask_B11W)
-    torch.testing.assert_close(decode_step.attend_step(q_BHd, k_BHWd, v_BHWd, mask_B11W), expected,
+    expected = rowmath.window_attention(q_BH1d, k_BHWd, v_BHWd, mask_B11W)
+    torch.testing.assert_close(expected, F.scaled_dot_product_attention(q_BH1d, k_BHWd, v_BHWd, attn_mask=mask_B11W))
+    torch.testing.assert_close(rowmath.attend_products(q_BH1d, k_BHWd, v_BHWd, mask_B11W), expected,
                                rtol=1e-5, atol=1e-5)
     gate_up_EDF2, down_EFD = torch.randn(6, 32, 2 * 24), torch.randn(6, 24, 32)
     router_ED = torch.randn(6, 32)
     transposed = (gate_up_EDF2.transpose(1, 2).contiguous(), down_EFD.transpose(1, 2).contiguous())
-    mlps = [decode_step.MLPWeights("gathered", (router_ED, None, gate_up_EDF2, down_EFD), 2),
-            decode_step.MLPWeights("gathered", (router_ED, None, *transposed), 2, products=True)]
-    torch.testing.assert_close(decode_step.mlp_step(x_BD, mlps[1]), decode_step.mlp_step(x_BD, mlps[0]),
-                               rtol=1e-4, atol=1e-4)
+    gathered = GatheredStep(router_ED, None, 2, gate_up_EDF2, down_EFD)
+    as_products = GatheredStep(router_ED, None, 2, *transposed, products=True)
+    torch.testing.assert_close(as_products(x_BD), gathered(x_BD), rtol=1e-4, atol=1e-4)
+    grouped = GroupedStep(router_ED, None, 2, gate_up_EDF2, down_EFD)  # the grouped GEMM: the same outputs
+    torch.testing.assert_close(grouped(x_BD), gathered(x_BD), rtol=1e-5, atol=1e-5)
 
 
-def test_static_decode_equals_todays_cached_path_greedy_for_a_long_prompt(model):
+def test_static_decode_equals_the_reference_greedy_for_a_prompt_longer_than_the_window(model):
     prompt = "the quick brown fox jumps over"  # longer than the window: its last 16 characters
     assert fast(model, [prompt], 40, temperature=0.0) == ["".join(generate(model, VOCAB, prompt, 40, 0.0))]
 
@@ -196,7 +200,8 @@ def test_a_slide_reads_nothing_back_where_the_prefills_mlp_has_no_host_sync(kind
     decoder = _decoder(make_model(kind), streams=2)
     for _ in range(3):
         decoder.advance()
-    assert decoder.slide_graphs is False and all(m.kind in ("grouped", "dense") for m in decoder.window_mlps)
+    assert decoder.slide_graphs is False  # graphs off on the CPU; with them on, the slide would be captured
+    assert all(isinstance(m, (GroupedStep, DenseStep)) and not m.host_sync for m in decoder.window_mlps)
     for name in ("item", "tolist", "__int__", "__index__", "__bool__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, **k: pytest.fail("the slide read a tensor back"))
     decoder.slide([1])
@@ -268,7 +273,21 @@ def test_the_step_never_reads_a_tensor_back_to_python(model, monkeypatch):
     assert decoder.pos_B.tolist() == [CONTEXT - 4, CONTEXT - 3, CONTEXT - 2]
 
 
-def test_the_cache_is_written_in_place_at_each_streams_position(model):
+def _attended(model: CharLM, ids: list[int], monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's own forward of `ids` (dropless, as writing): its logits [T, V] and the keys and
+    values each row attends with, [R, H, T, Dh] (RoPE applied to the keys)."""
+    seen, real = [], rowmath.causal_attention
+
+    def recording(q, k, v, *args):
+        seen.append((k[0].clone(), v[0].clone()))
+        return real(q, k, v, *args)
+    with monkeypatch.context() as m, decode.inference(model, torch.device("cpu")):
+        m.setattr(rowmath, "causal_attention", recording)
+        logits = model(torch.tensor([ids]), dropless=True).logits[0]
+    return logits, torch.stack([k for k, _ in seen]), torch.stack([v for _, v in seen])
+
+
+def test_the_cache_is_written_in_place_at_each_streams_position(model, monkeypatch):
     decoder = _decoder(model, streams=2, temperature=0.0)  # windows [1] and [1, 2]
     pointers = decoder.k_RBHWd.data_ptr(), decoder.v_RBHWd.data_ptr()
     for _ in range(6):
@@ -279,11 +298,30 @@ def test_the_cache_is_written_in_place_at_each_streams_position(model):
     for b, window in enumerate([[1], [1, 2]]):
         ids = window + [row[b] for row in rows]
         n = int(decoder.pos_B[b])  # positions written: the keys of ids[:n]
-        cache = model.new_cache(1, CONTEXT)
-        with decode.inference(model, torch.device("cpu")):  # dropless, as writing
-            model(torch.tensor([ids[:n]]), cache=cache, dropless=True)
-        torch.testing.assert_close(decoder.k_RBHWd[:, b, :, :n], cache.k[:, 0, :, :n], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(decoder.v_RBHWd[:, b, :, :n], cache.v[:, 0, :, :n], rtol=1e-4, atol=1e-5)
+        _, k_RHTd, v_RHTd = _attended(model, ids[:n], monkeypatch)
+        torch.testing.assert_close(decoder.k_RBHWd[:, b, :, :n], k_RHTd, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decoder.v_RBHWd[:, b, :, :n], v_RHTd, rtol=1e-4, atol=1e-5)
+
+
+def test_the_decoders_logits_equal_the_full_forwards_at_every_position(model, monkeypatch):
+    # Fed the characters of given texts (not its own picks), prefilled at different lengths, the
+    # decoder's step gives at each stream's position the logits of the model's forward of the text.
+    torch.manual_seed(1)
+    texts = torch.randint(0, VOCAB.size, (2, CONTEXT)).tolist()
+    decoder = Decoder(model, [0, 1], CONTEXT)
+    decoder.prefill([0, 1], [texts[0][:8], texts[1][:3]])  # 7 and 2 characters cached, the next fed
+    full = [_attended(model, text, monkeypatch) for text in texts]
+    for step in range(CONTEXT - 8):
+        with decoder._step_context():
+            logits_BV = decoder._forward()
+        for b, fed in enumerate((7 + step, 2 + step)):  # the position of the character each stream was fed
+            torch.testing.assert_close(logits_BV[b], full[b][0][fed], rtol=1e-4, atol=1e-4, msg=f"stream {b}, {fed}")
+        with torch.inference_mode():
+            decoder.tok_B.copy_(torch.tensor([texts[0][8 + step], texts[1][3 + step]]))
+            decoder.pos_B.add_(1)
+    for b, n in enumerate(decoder.pos_B.tolist()):  # the prefill's slots and the steps' in order
+        torch.testing.assert_close(decoder.k_RBHWd[:, b, :, :n], full[b][1][:, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decoder.v_RBHWd[:, b, :, :n], full[b][2][:, :, :n], rtol=1e-4, atol=1e-5)
 
 
 def test_graphs_on_without_a_cuda_device_is_an_error_and_auto_is_off():
@@ -347,7 +385,7 @@ def test_the_step_makes_no_host_sync_on_cuda(kind):
     model = make_model(kind, "cuda")
     for graphs in (False, True):
         decoder = Decoder(model, [0, 1, 2, 3], CONTEXT, temperature=1.0, top_k=3, graphs=graphs)
-        assert kind != "native" or decoder.mlps[0].kind == "grouped"  # 4 streams x top_k 2 >= 2 x 4 experts
+        assert kind != "native" or isinstance(decoder.mlps[0], GroupedStep)  # 4 streams x top_k 2 >= 2 x 4 experts
         decoder.prefill([0, 1, 2, 3], [[1, 2, 3], [4], [5, 6], [7]])
         decoder.advance()  # the first noise table is made outside the step
         torch.cuda.synchronize()
@@ -377,16 +415,19 @@ def test_static_decode_on_cuda_follows_the_uncached_reference_within_bf16_roundi
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2, msg=f"character {i}")
 
 
-def test_rope_step_equals_the_models_rotation_bit_for_bit():
-    from minagi.model import apply_rope, rope_tables
+def test_the_decoders_rope_equals_the_models_rotation_bit_for_bit():
     torch.manual_seed(0)
     positions = torch.arange(40)
-    cos, sin = rope_tables(positions, 16, 10000.0)
+    cos, sin = rowmath.rope_tables(positions, 16, 10000.0)
     for dtype in (torch.float32, torch.bfloat16):
         x_BHTd = torch.randn(2, 3, 40, 16).to(dtype)
-        expected = apply_rope(x_BHTd, cos, sin)
-        got = decode_step.rope_step(x_BHTd, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        expected = rowmath.apply_rope(x_BHTd, cos, sin)
+        got = rowmath.rope_rolled(x_BHTd, *rowmath.rolled_tables(cos, sin))
         assert got.dtype == dtype and torch.equal(got, expected)
+        # q and k at once, as the decoder rotates them
+        qk_2BHTd = torch.randn(2, 2, 3, 40, 16).to(dtype)
+        together = rowmath.rope_rolled(qk_2BHTd, *rowmath.rolled_tables(cos, sin))
+        assert all(torch.equal(together[i], rowmath.apply_rope(qk_2BHTd[i], cos, sin)) for i in range(2))
 
 
 def test_the_grouped_expert_path_writes_what_the_gathered_one_writes_for_many_streams():
@@ -394,9 +435,9 @@ def test_the_grouped_expert_path_writes_what_the_gathered_one_writes_for_many_st
     prompts = ["the ", "a quick", "lazy d", "fox"]
     gathered = fast(model, prompts, 30, expert_path="gathered")
     assert fast(model, prompts, 30, expert_path="grouped") == gathered
-    assert Decoder(model, [0], CONTEXT).mlps[0].kind == "gathered"  # auto, 1 x top_k 2 < 2 x 4 experts
-    assert Decoder(model, [0, 1, 2, 3], CONTEXT).mlps[0].kind == "grouped"  # 4 x 2 >= 2 x 4: grouped
-    assert Decoder(make_model("grouped"), [0, 1, 2, 3], CONTEXT).mlps[0].kind == "gathered"  # not "native"
+    assert isinstance(Decoder(model, [0], CONTEXT).mlps[0], GatheredStep)  # auto, 1 x top_k 2 < 2 x 4 experts
+    assert isinstance(Decoder(model, [0, 1, 2, 3], CONTEXT).mlps[0], GroupedStep)  # 4 x 2 >= 2 x 4: grouped
+    assert isinstance(Decoder(make_model("grouped"), [0, 1, 2, 3], CONTEXT).mlps[0], GatheredStep)  # not "native"
     with pytest.raises(ValueError, match="expert_path 'grouped' runs whole resident stacks"):
         fast(make_model("nf4"), ["the "], 3, expert_path="grouped")
 
@@ -475,11 +516,19 @@ def test_the_slides_looked_ahead_are_those_a_long_run_meets(filled, window, keep
     assert sampling._Slides(filled, window, keep).sizes(0) == set()
 
 
-def test_a_decoder_refuses_a_keep_outside_the_window_and_prefills_the_dense_twin_by_gemms():
+def test_a_decoder_refuses_a_keep_or_a_prefill_outside_the_window_and_prefills_by_gemms(monkeypatch):
     model = make_model("dense")
     for keep in (0, CONTEXT + 1):
         with pytest.raises(ValueError, match=f"keep must be 1..{CONTEXT}"):
             Decoder(model, [0], CONTEXT, keep=keep)
-    # products sum one position at a time: a window of positions runs the SwiGLU's GEMMs
     decoder = Decoder(model, [0], CONTEXT, products=True)
-    assert decoder.mlps[0].products and not decoder.window_mlps[0].products
+    with pytest.raises(ValueError, match=f"a window holds 1..{CONTEXT} characters; got {CONTEXT + 1}"):
+        decoder.prefill([0], [[1] * (CONTEXT + 1)])
+    # products sum one position at a time: a window of positions runs its matmuls as GEMMs
+    products, real = [], rowmath.linear
+    monkeypatch.setattr(rowmath, "linear", lambda x, w, p=False: products.append(p) or real(x, w, p))
+    decoder.prefill([0], [[1, 2, 3, 4, 5]])
+    assert products and not any(products)
+    products.clear()
+    decoder.advance()
+    assert products and all(products)

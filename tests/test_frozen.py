@@ -17,7 +17,7 @@ from minagi.model import CharLM, build_model
 from minagi.nf4 import dequantize_nf4, quantize_nf4
 from minagi.recompute import PinPolicy, clear_stale_slots
 from minagi.runlog import read_history
-from minagi.sampling import generate
+from minagi.sampling import write
 from minagi.trainer import resume_config, train
 from tiny import interrupt_at, run_tiny
 
@@ -231,9 +231,9 @@ def test_a_frozen_run_resumes_exactly_and_writes(trained, monkeypatch):
         seen.append(None if experts is None else experts.numel())
         return real(self, dtype, experts, phase, in_place)
     monkeypatch.setattr(FrozenStack, "dequantize", spy)
-    text = "".join(generate(model, vocab, "the ", 5, seed=1))
+    text = "".join(c for (c,) in write(model, vocab, ["the "], 5, seed=1))
     assert len(text) == 5
-    # After the prompt's prefill, each character dequantizes only its top_k experts of each stack.
+    # After the prompt's prefill, each character's step dequantizes only its top_k experts of each stack.
     per_char = 2 * model.cfg.n_rows  # two stacks a row
     assert seen[-4 * per_char:] == [2] * (4 * per_char)  # 4 one-character steps, top_k = 2 experts each
     assert math.isfinite(rest.heldout_loss)

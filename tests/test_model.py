@@ -1,5 +1,5 @@
-"""The char LM: KV-cached decoding equals a full forward; dispatch resolution; parameter groups."""
-import pytest
+"""The char LM: causality, the loss and aux terms, RoPE tables, dispatch resolution, parameter groups.
+(The decoder against this forward: tests/test_decode.py.)"""
 import torch
 
 from minagi.config import ModelConfig, PoolConfig
@@ -9,22 +9,8 @@ CFG = ModelConfig(n_rows=2, d_model=32, n_heads=4, context=32)
 POOL = PoolConfig(n_experts=4, top_k=2, d_expert=32)
 
 
-def test_kv_cached_incremental_logits_equal_full_forward_logits():
-    torch.manual_seed(0)
-    model = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
-    idx = torch.randint(0, 11, (2, 20))
-    with torch.no_grad():
-        full = model(idx).logits
-        cache = model.new_cache(batch_size=2, max_len=32)
-        prefill = model(idx[:, :7], cache=cache).logits          # a prompt, all at once
-        chunk = model(idx[:, 7:10], cache=cache).logits          # a chunk appended to the cache
-        steps = [model(idx[:, t:t + 1], cache=cache).logits for t in range(10, 20)]  # one at a time
-    torch.testing.assert_close(torch.cat([prefill, chunk, *steps], 1), full, atol=1e-5, rtol=1e-4)
-    assert cache.length == 20
-
-
 def test_rope_tables_are_made_once_left_out_of_checkpoints_and_still_reach_past_the_context():
-    from minagi.model import rope_tables
+    from minagi.rowmath import rope_tables
     torch.manual_seed(0)
     model = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
     attn = model.rows[0].attn
@@ -33,20 +19,11 @@ def test_rope_tables_are_made_once_left_out_of_checkpoints_and_still_reach_past_
     assert not [k for k in model.state_dict() if "rope" in k]  # checkpoints are as before the tables
     fresh = build_model(CFG, POOL, vocab_size=11, device="cpu").eval()
     fresh.load_state_dict(model.state_dict())  # strict: the tables are not missing keys
-    idx = torch.randint(0, 11, (1, 40))  # longer than the context: positions past the tables
+    idx = torch.randint(0, 11, (1, 40))  # longer than the context: its tables are computed
     with torch.no_grad():
-        cache = model.new_cache(batch_size=1, max_len=40)
-        model(idx[:, :30], cache=cache)                  # from the tables
-        late = model(idx[:, 30:], cache=cache).logits    # positions 30..39: computed
-        full = model(idx).logits                         # 0..39: computed
-    torch.testing.assert_close(late, full[:, 30:], atol=1e-5, rtol=1e-4)
-
-
-def test_cache_refuses_to_overflow():
-    model = build_model(CFG, POOL, vocab_size=5, device="cpu").eval()
-    cache = model.new_cache(batch_size=1, max_len=4)
-    with torch.no_grad(), pytest.raises(ValueError, match="KV cache is full"):
-        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+        within = model(idx[:, :CFG.context]).logits  # positions 0..31: from the tables
+        longer = model(idx).logits                   # 0..39: computed
+    torch.testing.assert_close(longer[:, :CFG.context], within, atol=1e-5, rtol=1e-4)
 
 
 def test_causal_prefix_logits_do_not_see_the_future():

@@ -1,5 +1,6 @@
-"""Sampling: today's KV-cache path against full recomputation, sliding, seeds, and the sample.py entry
-point (which writes through the static decode path: tests/test_decode.py holds its equalities).
+"""Sampling: the fast path (`write`) against the uncached reference (`generate`) on a saved
+checkpoint, the reference's sliding, seeds, and the sample.py entry point (which writes through the
+static decode path: tests/test_decode.py holds its equalities for every kind of row).
 
 The checkpoint is a tiny 2-row CPU model (context 16) built and saved with the trainer's payload keys,
 its attention and output weights scaled up so that positions matter and the next-character
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import sample as sample_py
-from minagi import sampling
+from minagi import decode, sampling
 from minagi.checkpoint import capture_rng_state, save_checkpoint
 from minagi.config import config_to_dict, load_config
 from minagi.data import Vocab, VocabError
@@ -87,20 +88,26 @@ def _logits_seen(monkeypatch, model, vocab, **kwargs) -> tuple[str, list[torch.T
     return _write(model, vocab, **kwargs), seen
 
 
-# ------------------------------------------------------------------------------ cache == recomputation
+# ------------------------------------------------------------------------------ write == the reference
 
 @pytest.mark.parametrize("n, keep", [(12, None), (60, None), (60, CONTEXT - 1), (45, 1)],
                          ids=["inside-window", "sliding-default-keep", "sliding-keep-window-minus-1",
                               "sliding-keep-1"])
-def test_cached_generation_equals_full_recomputation_in_characters_and_logits(trained, monkeypatch, n, keep):
+def test_writing_equals_the_uncached_reference_in_characters_and_logits(trained, monkeypatch, n, keep):
     model, vocab = trained
-    cached, cached_logits = _logits_seen(monkeypatch, model, vocab, n=n, keep=keep)
-    full, full_logits = _logits_seen(monkeypatch, model, vocab, n=n, keep=keep, use_cache=False)
-    assert len(cached) == n and cached == full
-    for step, (a, b) in enumerate(zip(cached_logits, full_logits)):
+    written_logits, real_pick = [], decode.pick
+
+    def pick(logits_BV, *args):
+        written_logits.append(logits_BV[0].clone())
+        return real_pick(logits_BV, *args)
+    monkeypatch.setattr(decode, "pick", pick)
+    written = "".join(c for (c,) in write(model, vocab, ["the "], n, 1.0, 0, 7, keep=keep))
+    full, full_logits = _logits_seen(monkeypatch, model, vocab, n=n, keep=keep)
+    assert len(written) == n and written == full
+    for step, (a, b) in enumerate(zip(written_logits, full_logits, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"character {step}")
     # The model does depend on where it is: the same character later in the window reads differently.
-    assert not torch.allclose(cached_logits[0], cached_logits[-1], atol=1e-2)
+    assert not torch.allclose(written_logits[0], written_logits[-1], atol=1e-2)
 
 
 def test_keep_equal_to_window_is_nanogpt_cropping_to_the_last_context_characters(trained):
@@ -117,23 +124,24 @@ def test_keep_equal_to_window_is_nanogpt_cropping_to_the_last_context_characters
     assert "".join(c for (c,) in write(model, vocab, [prompt], n, 1.0, 0, 3, keep=CONTEXT)) == expected
 
 
-def test_cache_is_prefilled_once_then_fed_one_position_per_step_and_reprefilled_with_keep_on_slide(
+def test_the_reference_recomputes_the_whole_window_each_character_and_slides_to_the_last_keep(
         trained, monkeypatch):
     model, vocab = trained
     fed = []
     real_forward = CharLM.forward
 
-    def forward(self, idx_BT, targets_BT=None, cache=None, **kwargs):
-        fed.append((idx_BT.shape[1], cache.length if cache is not None else None))
-        return real_forward(self, idx_BT, targets_BT, cache, **kwargs)
+    def forward(self, idx_BT, *args, **kwargs):
+        fed.append(idx_BT[0].tolist())
+        return real_forward(self, idx_BT, *args, **kwargs)
     monkeypatch.setattr(CharLM, "forward", forward)
     window, keep, n = 8, 5, 14
-    _write(model, vocab, "abc", n, window=window, keep=keep)
-    # prompt 3 -> fills to 8 after 5 steps; the 6th new character slides: 5 re-fed, then 3 steps fill
-    # it again; the 10th slides; ... The last character needs no forward.
-    assert fed == [(3, 0), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7),
-                   (5, 0), (1, 5), (1, 6), (1, 7),
-                   (5, 0), (1, 5), (1, 6), (1, 7)]
+    text = _write(model, vocab, "abc", n, window=window, keep=keep)
+    # prompt 3 -> fills to 8 after 5 characters; the 6th slides: the last 5, then 3 more fill it
+    # again; the 10th slides; ... The last character needs no forward.
+    assert [len(ids) for ids in fed] == [3, 4, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
+    stream = [int(c) for c in vocab.encode("abc" + text)]
+    ends = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # each forward ends at the newest character
+    assert fed == [stream[end - len(ids):end] for ids, end in zip(fed, ends)]
 
 
 def test_prompt_longer_than_the_window_conditions_on_its_last_window_characters(trained):
@@ -144,7 +152,15 @@ def test_prompt_longer_than_the_window_conditions_on_its_last_window_characters(
 
 def test_writing_is_dropless_and_leaves_the_model_as_it_found_it(trained, monkeypatch):
     model, vocab = trained
-    for pool in model.pools():  # would drop in a prefill, never in a step
+    real_pick = sampling._pick
+    uncapped, uncapped_logits = _logits_seen(monkeypatch, model, vocab, prompt="the lazy dog.", n=20, seed=1337)
+    capped_logits = []
+
+    def recording(logits_V, *args):
+        capped_logits.append(logits_V.clone())
+        return real_pick(logits_V, *args)
+    monkeypatch.setattr(sampling, "_pick", recording)
+    for pool in model.pools():  # a window of 13..16 characters would drop rows at capacity 0.5
         monkeypatch.setattr(pool, "cfg", dataclasses.replace(pool.cfg, capacity_factor=0.5))
     model.train()
     try:
@@ -152,11 +168,13 @@ def test_writing_is_dropless_and_leaves_the_model_as_it_found_it(trained, monkey
         first = next(chars)  # between two characters the caller's own state is in force
         assert torch.is_grad_enabled() and model.training
         assert all(pool.capacity(64) > 0 for pool in model.pools())
-        cached = first + "".join(chars)
-        assert cached == _write(model, vocab, "the lazy dog.", 20, temperature=1.0, seed=1337, use_cache=False)
+        capped = first + "".join(chars)
         assert model.training and all(pool.capacity(64) > 0 for pool in model.pools())
     finally:
         model.eval()
+    assert capped == uncapped  # dropless: what an uncapped pool computes
+    for step, (a, b) in enumerate(zip(capped_logits, uncapped_logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"character {step}")
 
 
 # ------------------------------------------------------------------------------ seeds and temperature
@@ -347,7 +365,7 @@ def test_sample_py_streams_each_equal_writing_alone_with_seed_plus_i(run_dir, tr
                            "--seed", "5", "--top-k", "5"]) == 0
     out = capsys.readouterr()
     for i, text in enumerate(_streams_of(out.out, 3, 5)):
-        assert text == "the " + "".join(generate(model, vocab, "the ", 30, 0.8, 5, 5 + i, use_cache=False))
+        assert text == "the " + "".join(generate(model, vocab, "the ", 30, 0.8, 5, 5 + i))
     assert out.err.strip().splitlines()[-1].startswith("wrote 3 streams x 30 chars in ")
     assert "char/s in all)" in out.err and ", 3 streams" in out.err and "graphs off" in out.err
 

@@ -362,8 +362,8 @@ def _spoil_training_call(monkeypatch, n: int, spoil=lambda model, loss: loss * f
     real = CharLM.forward
     calls = [0]
 
-    def forward(self, idx, targets=None, cache=None):
-        out = real(self, idx, targets, cache)
+    def forward(self, idx, targets=None, dropless=False):
+        out = real(self, idx, targets, dropless)
         if self.training:
             calls[0] += 1
             if calls[0] == n:
