@@ -63,7 +63,8 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width,
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
-                        count_reducer=distributed.all_reduce_sum if world_size > 1 else None, log=log)
+                        count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
+                        compiled_regions=tc.compile == "rows", log=log)
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)

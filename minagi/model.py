@@ -61,9 +61,12 @@ class Attention(nn.Module):
 
 class Row(nn.Module):
     """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin. `checkpointed`:
-    recomputed in backward (row checkpointing, minagi/recompute.py)."""
+    recomputed in backward (row checkpointing, minagi/recompute.py). `compiled_regions`: the row's
+    attention half (norm, attention, residual, the MLP's norm) and a dense twin's MLP run through
+    torch.compile in training calls, the expert dispatch eager (train.compile = "rows")."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module], checkpointed: bool = False):
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module], checkpointed: bool = False,
+                 compiled_regions: bool = False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
@@ -71,6 +74,11 @@ class Row(nn.Module):
         self.mlp = make_mlp()  # built after the attention: the order in which parameters draw from the seed
         self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.checkpointed = checkpointed
+        # Compiled lazily, at the first training call; shapes never change there, so it compiles once.
+        # Evaluation (no grad) keeps the eager functions: no second graph for another grad mode.
+        self._compiled_half = torch.compile(self._attention_half, dynamic=False) if compiled_regions else None
+        self._compiled_mlp = (torch.compile(self.mlp.forward, dynamic=False)  # the method: no module registered
+                              if compiled_regions and isinstance(self.mlp, DenseMLP) else None)
 
     def forward(self, x_BTD: Tensor, dropless: bool = False) -> tuple[Tensor, MLPAux]:
         if self.checkpointed:
@@ -79,6 +87,14 @@ class Row(nn.Module):
 
     def _forward(self, x_BTD: Tensor, dropless: bool) -> tuple[Tensor, MLPAux]:
         """rowmath's row on this row's weights (the decoder runs the same functions on its copies)."""
+        compiled = self._compiled_half is not None and torch.is_grad_enabled()
+        x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
+        mlp = self._compiled_mlp if compiled and self._compiled_mlp is not None else self.mlp
+        y_ND, aux = mlp(mlp_in_ND, dropless=dropless)
+        return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+
+    def _attention_half(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
+        """x + attention(norm(x)) [B, T, D], and the MLP's input norm(that) [N, D]."""
         attn, T = self.attn, x_BTD.shape[1]
         q, k, v = rowmath.attention_inputs(x_BTD, self.attn_norm.weight, self.attn_norm.eps, attn.qkv.weight,
                                            attn.n_heads)  # 3 x [B, H, T, Dh]
@@ -86,8 +102,7 @@ class Row(nn.Module):
         q, k = rowmath.apply_rope(q, cos_Td, sin_Td), rowmath.apply_rope(k, cos_Td, sin_Td)
         y_BHTd = rowmath.causal_attention(q, k, v, attn.dropout if self.training else 0.0)
         x_BTD = rowmath.attention_residual(x_BTD, y_BHTd, attn.proj.weight, drop=self.resid_drop)
-        y_ND, aux = self.mlp(rowmath.mlp_input(x_BTD, self.mlp_norm.weight, self.mlp_norm.eps), dropless=dropless)
-        return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+        return x_BTD, rowmath.mlp_input(x_BTD, self.mlp_norm.weight, self.mlp_norm.eps)
 
 
 class CharLM(nn.Module):
@@ -95,13 +110,14 @@ class CharLM(nn.Module):
 
     Built whole (`build_model` resolves the pieces for a device): `stacks`, the services each row's
     expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
-    recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP).
+    recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP);
+    `compiled_regions`, each row's attention half (and a dense twin's MLP) compiled (train.compile = "rows").
     `stager`: the offload stager the frozen stacks are staged by (None without offload).
     """
 
     def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
                  dense_width: int = 0, *, stacks: StackServices | None = None, checkpoint_rows: bool = False,
-                 count_reducer: Callable[[Tensor], Tensor] | None = None):
+                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False):
         super().__init__()
         self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
         stacks = stacks if stacks is not None else StackServices()
@@ -114,7 +130,8 @@ class CharLM(nn.Module):
             experts = build_stack(stacks, row, pool.n_experts, cfg.d_model, pool.d_expert)
             return PooledMLP(cfg.d_model, pool, path, experts, count_reducer)
         self.embed_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        self.rows = nn.ModuleList(Row(cfg, lambda i=i: make_mlp(i), checkpoint_rows) for i in range(cfg.n_rows))
+        self.rows = nn.ModuleList(Row(cfg, lambda i=i: make_mlp(i), checkpoint_rows, compiled_regions)
+                                  for i in range(cfg.n_rows))
         self.final_norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self._init_weights()
@@ -172,7 +189,7 @@ class CharLM(nn.Module):
 def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
                 init_frozen: bool = True, checkpoint_rows: bool = False,
-                count_reducer: Callable[[Tensor], Tensor] | None = None,
+                count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False,
                 log: Callable[[str], None] | None = None) -> CharLM:
     """Build on `device`, resolving dispatch `auto` once for it (`mlp.device_compute_dtype`'s dtype).
 
@@ -181,12 +198,13 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     directly (a large pool is never built in fp32), given their pin policy and byte source by
     `experts.stack_services`; `init_frozen` False leaves them to be loaded.
     `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
+    `compiled_regions`: the rows' attention halves (and dense MLPs) through torch.compile, dispatch eager.
     """
     device = torch.device(device)
     path = resolve_dispatch(pool.dispatch, device, device_compute_dtype(device), compiled)
     stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log)
     model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
-                   count_reducer=count_reducer).to(device)
+                   count_reducer=count_reducer, compiled_regions=compiled_regions).to(device)
     if stacks.stager is not None and log is not None:
         homed = sum(s.stored_bytes() for row in stacks.stager.rows for s in row)
         log(f"offload: {len(stacks.stager.rows)} rows of frozen stacks homed in "

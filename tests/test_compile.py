@@ -90,3 +90,21 @@ def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(m
     code = train_py.main(["--profile", "cpu_tiny", "--set", "train.compile=rows", "--set", f"train.out_dir={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Triton" in err[0] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("sets", [["pool.dispatch=grouped"], ["model.mlp=dense"]], ids=["pooled", "dense"])
+def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(sets):
+    torch._dynamo.reset()
+    eager = losses(sets, "cpu", steps=4)
+    cfg = load_config(None, TINY + ["train.device=cpu", "train.compile=rows", *sets])
+    training = build_training(cfg, 13, torch.device("cpu"), 1)
+    assert all(row._compiled_half is not None for row in training.model.rows) and training.forward is training.model
+    assert not any("_orig_mod" in k for k in training.model.state_dict())  # checkpoints as eager ones
+    from torch._dynamo.utils import counters
+    counters.clear()
+    first = losses(sets + ["train.compile=rows"], "cpu", steps=1)
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    compiled = losses(sets + ["train.compile=rows"], "cpu", steps=4)  # a new model: the same code, routing changing
+    assert counters["frames"]["total"] == frames and counters["stats"]["unique_graphs"] == graphs >= 1  # no recompile
+    torch._dynamo.reset()
+    assert first == compiled[:1] and compiled == pytest.approx(eager, rel=1e-4)

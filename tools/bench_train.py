@@ -126,8 +126,11 @@ def gpu_timeline(fn, device: torch.device, calls: int = 2, gaps: int = 8) -> dic
             "gaps": [(round(us / 1e3, 3), before, after) for us, before, after in sorted(idle, reverse=True)[:gaps]]}
 
 
-def run(profile: str, compile_on: bool, args, device: torch.device, rate: float | None, corpus=None) -> dict:
-    cfg = load_config(profile, [f"train.compile={'true' if compile_on else 'false'}", f"train.device={device.type}",
+_COMPILE = {"off": "false", "on": "true", "rows": "rows"}  # --compile -> train.compile
+
+
+def run(profile: str, compile_on: str, args, device: torch.device, rate: float | None, corpus=None) -> dict:
+    cfg = load_config(profile, [f"train.compile={_COMPILE[compile_on]}", f"train.device={device.type}",
                                 f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=1", *args.sets])
     vocab = VOCAB if corpus is None else corpus.vocab.size
     training = build_training(cfg, vocab, device, 1)
@@ -191,7 +194,8 @@ def run(profile: str, compile_on: bool, args, device: torch.device, rate: float 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", nargs="+", default=["h200"])
-    ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"])
+    ap.add_argument("--compile", nargs="+", choices=list(_COMPILE), default=["off"],
+                    help="train.compile: off, on (the whole step), rows (each row's attention half; dispatch eager)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
@@ -217,9 +221,9 @@ def main(argv=None) -> int:
     for profile in args.profiles:
         for mode in args.compile:
             try:
-                results.append(run(profile, mode == "on", args, device, rate, corpus))
+                results.append(run(profile, mode, args, device, rate, corpus))
             except torch.OutOfMemoryError as e:
-                results.append({"profile": profile, "compile": mode == "on", "error": str(e).splitlines()[0]})
+                results.append({"profile": profile, "compile": mode, "error": str(e).splitlines()[0]})
                 gc.collect()
                 torch.cuda.empty_cache()
             print(json.dumps(results[-1]), flush=True)
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
-        print(f"| {r['profile']} | {'on' if r['compile'] else 'off'} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
+        print(f"| {r['profile']} | {r['compile']} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
               f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
               f"{'-' if r['busiest_expert'] is None else format(r['busiest_expert'], '.2f') + 'x'} |")
     for r in results:
