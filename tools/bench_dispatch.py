@@ -116,6 +116,29 @@ def matmul_step(rows: int, width: int, expert_width: int, device, dtype):
     return step
 
 
+def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int) -> float | None:
+    """Bytes of device memory a forward + backward of the experts reads and writes per routed row,
+    counted from the shapes (`elem` bytes an element): the weights — the card read by the forward and
+    by the input gradient, its gradient written; a gathered expert copied in forward and again in
+    backward and its gradient added back (read, read, write) — and the activations of each computed
+    row (the input gathered in, h [2F] written, the SwiGLU reading h and writing [F], the output [D]
+    written and summed out; backward about twice the forward's traffic). None for the loop reference."""
+    from minagi.dispatch import Layout, layered_layout
+    E, card_bytes = len(load), len(load) * 3 * D * F * elem
+    routed = sum(load)
+    if path == "loop" or routed == 0:
+        return None
+    if path == "native":
+        rows, weights = routed, 3 * card_bytes
+    else:
+        layout = layered_layout(load) if path == "grouped" else Layout(tuple(load), max(load), ())
+        gathered = sum(len(m) for _, m in layout.groups)
+        rows = layout.padded_rows
+        weights = (3 * card_bytes if layout.card else 0) + gathered * (card_bytes // E) * 7
+    activations = 3 * rows * (2 * D + 2 * F + 3 * F + F + D + D) * elem  # fwd once, bwd ~twice
+    return (weights + activations) / routed
+
+
 def pool_step(pool: PooledMLP, path: str, x, ids, gates, grad_out, seen: dict | None = None):
     """One forward + backward of the experts; `seen` gets the last call's RouteCounts."""
     def step():
@@ -202,6 +225,7 @@ def main(argv=None) -> int:
                     "peak_bytes": peak, "dense_peak_bytes": dense_peak,
                     "peak_vs_dense": peak / dense_peak if dense_peak else None,
                     "max_over_fair": load.max().item() / (rows / E), "default": path == default_path,
+                    "bytes_per_routed_row": bytes_per_routed_row(path, load.tolist(), D, Fw, x.element_size()),
                 }
                 results.append(row)
                 print(f"  {n_chars:>6} {skew:<9} {path:<10} {ms:8.3f} ms ({b2b:.3f} back to back)", file=sys.stderr,
@@ -217,14 +241,15 @@ def main(argv=None) -> int:
           f"default path: {default_path}, median of {args.repeat}")
     print("ms: synced per call; b2b: calls back to back (the dense MLP and matmuls timed the same way)")
     print("| chars | skew | path | ms | ms b2b | routed TFLOP/s | vs dense MLP | vs dense b2b | vs matmuls | "
-          "padded/routed | peak MiB | peak vs dense | max/fair |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "padded/routed | peak MiB | peak vs dense | max/fair | KiB moved / routed row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         pvd = f"{r['peak_vs_dense']:.2f}" if r["peak_vs_dense"] is not None else "-"
+        moved = "-" if r["bytes_per_routed_row"] is None else f"{r['bytes_per_routed_row'] / 1024:.0f}"
         print(f"| {r['chars']} | {r['skew']} | {r['path']}{' *' if r['default'] else ''} | {r['ms']:.3f} | "
               f"{r['ms_back_to_back']:.3f} | {r['tflops']:.1f} | {r['vs_dense']:.2f} | {r['vs_dense_back_to_back']:.2f} | "
               f"{r['vs_matmul']:.2f} | {r['padding_ratio']:.2f} | "
-              f"{r['peak_bytes'] / 2**20:.0f} | {pvd} | {r['max_over_fair']:.1f} |")
+              f"{r['peak_bytes'] / 2**20:.0f} | {pvd} | {r['max_over_fair']:.1f} | {moved} |")
     return 0
 
 
