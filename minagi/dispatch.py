@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .mm import GROUPED_MM, Weight, group_bmm, grouped_mm, layered_bmm
+from .mm import GROUPED_MM, Layers, Weight, group_bmm, grouped_mm, layered_bmm
 from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "rectangle", "loop")
@@ -257,6 +257,9 @@ def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
 # gradient added back into the card's), in padded rows of that expert it could have computed instead:
 # ~14 I x O bytes against 6 I x O FLOPs a row, at the ~150 FLOP/byte of the cards this path serves.
 GATHER_ROWS = 256
+# What one more layer (an overflow group: its gathers, bmms, their backward) costs beyond its rows, in
+# padded rows: the launches and their latency, at the scale of a consumer card's rows per 50 us.
+GROUP_ROWS = 512
 
 
 def round_capacity(n: int) -> int:
@@ -293,23 +296,32 @@ class Layout:
         return len(self.kept) * self.card + sum(cap * len(members) for cap, members in self.groups)
 
 
-def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS) -> Layout:
-    """The card capacity that costs least — padded rows, plus `gather_rows` for each overflow expert —
-    over the rounded loads (and no card layer at all), and the overflow grouped by rounded size.
+def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group_rows: int = GROUP_ROWS) -> Layout:
+    """The layout that costs least — padded rows, plus `gather_rows` for each overflow expert and
+    `group_rows` for each overflow group — over card capacities from the rounded loads (and none), with
+    the overflow in one group, or two (the busiest experts apart): a call runs at most three layers.
     `gather_rows` None: no card layer (a stack that makes only the experts it is asked for: frozen)."""
+    kept = [int(n) for n in kept]
     loads = np.asarray(kept, dtype=np.int64)
+    E = len(loads)
     cards = np.unique(np.concatenate([[0], _round_capacities(loads[loads > 0]) if gather_rows is not None else []]))
-    gather_rows = gather_rows or 0
-    over_ME = loads[None, :] - cards[:, None]
-    spill_ME = over_ME > 0
-    cost_M = (len(loads) * cards + np.where(spill_ME, _round_capacities(np.maximum(over_ME, 0)), 0).sum(1)
-              + gather_rows * spill_ME.sum(1))
-    card = int(cards[int(np.argmin(cost_M))])
-    groups: dict[int, list[int]] = {}
-    for e, n in enumerate(kept):
-        if n > card:
-            groups.setdefault(round_capacity(n - card), []).append(e)
-    return Layout(tuple(kept), card, tuple((cap, tuple(m)) for cap, m in sorted(groups.items(), reverse=True)))
+    over_ME = -np.sort(-np.maximum(loads[None, :] - cards[:, None], 0), axis=1)  # overflows, largest first
+    n_M = (over_ME > 0).sum(1)
+    cap_ME = _round_capacities(over_ME)
+    one_M = n_M * cap_ME[:, 0] + group_rows
+    k_K = np.arange(1, E)  # two groups: the k busiest at their capacity, the rest at the (k+1)-th's
+    two_MK = k_K * cap_ME[:, :1] + (n_M[:, None] - k_K) * cap_ME[:, 1:] + 2 * group_rows
+    two_MK = np.where(k_K[None, :] < n_M[:, None], two_MK, np.iinfo(np.int64).max)
+    split_M = two_MK.argmin(1) + 1 if E > 1 else np.zeros(len(cards), dtype=np.int64)
+    best_two_M = two_MK.min(1) if E > 1 else np.full(len(cards), np.iinfo(np.int64).max)
+    groups_M = np.where(n_M > 0, np.minimum(one_M, best_two_M), 0)
+    m = int(np.argmin(E * cards + groups_M + (gather_rows or 0) * n_M))
+    card, n = int(cards[m]), int(n_M[m])
+    order = sorted((e for e in range(E) if kept[e] > card), key=lambda e: -(kept[e] - card))
+    k = int(split_M[m]) if n > 1 and best_two_M[m] < one_M[m] else n
+    groups = [grp for grp in (order[:k], order[k:]) if grp]
+    return Layout(tuple(kept), card, tuple((round_capacity(kept[grp[0]] - card), tuple(sorted(grp)))
+                                           for grp in groups))
 
 
 def host_layout(path: str, plan: DispatchPlan, gather_rows: int | None = GATHER_ROWS) -> Layout | None:
@@ -343,13 +355,15 @@ def _segments(layout: Layout) -> tuple[list[int], list[int], list[int], list[int
     return expert, first, valid, cap, overflow_start
 
 
-def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(src_P: the sorted row each padded slot reads, valid_P: whether it holds one, dest_R: the slot
-    of each sorted routed row, -1 when dropped by capacity). No host sync: the layout is on the host."""
+    of each sorted routed row, -1 when dropped by capacity, experts_G: the overflow groups' experts in
+    order). No host sync: the layout is on the host, and goes to the device in one copy."""
     expert, first, valid, cap, overflow_start = _segments(layout)
+    grouped = [e for _, m in layout.groups for e in m]
     n_seg, E, P = len(expert), len(layout.kept), layout.padded_rows
-    expert_S, first_S, valid_S, cap_S, over_E = host_to_device(expert + first + valid + cap + overflow_start,
-                                                               device).split([n_seg] * 4 + [E])
+    expert_S, first_S, valid_S, cap_S, over_E, experts_G = host_to_device(
+        expert + first + valid + cap + overflow_start + grouped, device).split([n_seg] * 4 + [E, len(grouped)])
     pad_start_S = cap_S.cumsum(0) - cap_S
     seg_P = torch.repeat_interleave(torch.arange(n_seg, device=device), cap_S, output_size=P)
     slot_pos_P = torch.arange(P, device=device) - pad_start_S[seg_P]
@@ -360,7 +374,7 @@ def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Te
                          over_E[plan.expert_R] + position_R - layout.card)
     if plan.kept_R is not None:
         dest_R = torch.where(plan.kept_R, dest_R, -1)
-    return src_P, valid_P, dest_R
+    return src_P, valid_P, dest_R, experts_G
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
@@ -375,7 +389,7 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
     if sum(layout.kept) == 0:  # every row dropped or no rows at all
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
-    src_P, valid_P, dest_R = _slots(plan, layout, x_ND.device)
+    src_P, valid_P, dest_R, experts_G = _slots(plan, layout, x_ND.device)
     dropped = plan.kept_R is not None
     slot_flat = dest_R.index_select(0, plan.inverse_R)      # [N*K] in character order
     token_P = plan.token_R.index_select(0, src_P)            # the character each slot reads
@@ -384,18 +398,9 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
 
     x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
     gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
-    # split (not slicing): its backward is one cat; a slice's backward allocates the whole tensor.
-    shapes = [(E, layout.card)] + [(len(m), cap) for cap, m in layout.groups]
-    experts_G = host_to_device([e for _, m in layout.groups for e in m], x_ND.device)
-    sizes = [len(m) for _, m in layout.groups]
-    width = x_PD.shape[-1]
-    x_card, *x_groups = (x.view(g, c, width) for x, (g, c) in zip(x_PD.split([g * c for g, c in shapes]), shapes))
-    gates = [gate.view(g, c) for gate, (g, c) in zip(gate_P.split([g * c for g, c in shapes]), shapes)]
-    h_card, h_groups = layered_bmm(x_card, x_groups, gate_up, experts_G, sizes)                 # [g, C, 2F]
-    act_card, *act_groups = (swiglu(h, gate, fused) for h, gate in zip([h_card, *h_groups], gates))
-    y_card, y_groups = layered_bmm(act_card, act_groups, down, experts_G, sizes)                # [g, C, D]
-    outputs = [y.view(-1, y.shape[-1]) for y in (y_card, *y_groups)]
-    y_PD = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))
+    h_PF2 = layered_bmm(x_PD, gate_up, layers, experts_G)
+    y_PD = layered_bmm(swiglu(h_PF2, gate_P, fused), down, layers, experts_G)
     return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
 
 

@@ -6,9 +6,10 @@ expert), G experts in a group, C a group's capacity, S chosen experts, r the LoR
 
 Three matmuls, each on a stacked weight [E, I, O]:
   grouped_mm(x_RI, w, offs_E)                     rows of expert e (offs_E[e-1]:offs_E[e]) times W_e
-  layered_bmm(x_ECI, x_groups, w, experts_G, ...) the whole card at one capacity, x [E, C, I] bmm W (no
-                                                  gather), and overflow groups: x_g [g, C_g, I] bmm
-                                                  W[group] (those experts' weights gathered)
+  layered_bmm(x_PI, w, layers, experts_G)         a padded buffer: its card layer, every expert at one
+                                                  capacity, [E, C, I] bmm W (no gather), and overflow
+                                                  groups [g, C_g, I] bmm W[group] (gathered), into one
+                                                  output buffer
   group_bmm(x_groups, w, experts_G, sizes, ...)   per group of experts: x_g [g, C, I] bmm W[group]
 A weight is a tensor (a trainable stack, its gradient flowing back into it) or a `RebuiltWeight`: a
 stack that is never kept, made again at each use (a frozen NF4 stack dequantized), with an optional
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from . import recompute
 
-__all__ = ["GROUPED_MM", "RebuiltWeight", "Weight", "group_bmm", "grouped_mm", "layered_bmm"]
+__all__ = ["GROUPED_MM", "Layers", "RebuiltWeight", "Weight", "group_bmm", "grouped_mm", "layered_bmm"]
 
 # torch >= 2.10 exposes F.grouped_mm; 2.8-2.9 only torch._grouped_mm. Both take (a_2D, b_3D, offs=int32).
 GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -73,90 +74,106 @@ def group_bmm(x_groups: list[Tensor], weight: Weight, experts_G: Tensor, sizes: 
     return [y + weight.scale * d for y, d in zip(ys, low)]
 
 
-def layered_bmm(x_ECI: Tensor, x_groups: list[Tensor], weight: Weight, experts_G: Tensor,
-                sizes: list[int]) -> tuple[Tensor, list[Tensor]]:
-    """(x_ECI bmm W: the card layer, [E, C, O]; for each overflow group g of `sizes[g]` experts, their
-    ids in order in `experts_G`: x_g [g, C_g, I] bmm those experts' W). The card layer reads the stack
-    as it is; only the overflow groups' experts are gathered, and their weight gradients are added into
-    the card's in place (the card's own gradient is written once, by its bmm)."""
+class Layers(NamedTuple):
+    """How a padded buffer's rows [P] are laid out: first the card layer, every one of `experts` at
+    capacity `card` (0: no card layer), then each overflow group (its experts, its capacity)."""
+    experts: int
+    card: int
+    groups: tuple[tuple[int, int], ...]  # (experts in the group, capacity)
+
+    def pieces(self) -> list[tuple[int, int]]:
+        return [(self.experts, self.card), *self.groups]
+
+
+def layered_bmm(x_PI: Tensor, weight: Weight, layers: Layers, experts_G: Tensor) -> Tensor:
+    """The padded buffer's rows times their experts' weights: [P, I] -> [P, O]. The card layer (rows
+    [E, C]) multiplies the stack as it is; each overflow group multiplies its experts' weights (ids in
+    order in `experts_G`), gathered. Every product is written straight into the one output buffer, and
+    the weight gradient is the card layer's bmm with each group's added into its experts' rows
+    (index_add_): no copy of the card, no whole-card gradient per group, no cat."""
     if isinstance(weight, Tensor):
-        y_ECO, *ys = _LayeredBmm.apply(weight, experts_G, sizes, x_ECI, *x_groups)
-        return y_ECO, ys
-    y_ECO, *ys = _RebuiltLayeredBmm.apply(weight, experts_G, sizes, x_ECI, *x_groups)
+        return _LayeredBmm.apply(x_PI, weight, layers, experts_G)
+    y_PO = _RebuiltLayeredBmm.apply(x_PI, weight, layers, experts_G)
     if weight.lora is not None:
         a_EIr, b_ErO = weight.lora
-        low_ECr, low_groups = layered_bmm(x_ECI, x_groups, a_EIr, experts_G, sizes)
-        d_ECO, d_groups = layered_bmm(low_ECr, low_groups, b_ErO, experts_G, sizes)
-        y_ECO = y_ECO + weight.scale * d_ECO
-        ys = [y + weight.scale * d for y, d in zip(ys, d_groups)]
-    return y_ECO, ys
+        low_Pr = layered_bmm(x_PI, a_EIr, layers, experts_G)
+        y_PO = y_PO + weight.scale * layered_bmm(low_Pr, b_ErO, layers, experts_G)
+    return y_PO
 
 
-def _layer_products(w_EIO: Tensor | None, w_GIO: Tensor | None, sizes: list[int], x_ECI: Tensor,
-                    x_groups: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """The card layer's product and each overflow group's, the groups' weights given gathered
-    (`w_EIO` None: the card layer is empty)."""
-    weights = w_GIO.split(sizes) if x_groups else ()
-    card = (torch.bmm(x_ECI, w_EIO) if w_EIO is not None else
-            x_ECI.new_empty(x_ECI.shape[0], 0, w_GIO.shape[-1]))
-    return (card, *(torch.bmm(x, w) for x, w in zip(x_groups, weights)))
+def _layer_views(t_PX: Tensor, layers: Layers) -> list[Tensor]:
+    """[P, X] as each layer's [g, C, X] view (no copy)."""
+    width = t_PX.shape[-1]
+    pieces = layers.pieces()
+    return [v.view(g, c, width) for v, (g, c) in zip(t_PX.split([g * c for g, c in pieces]), pieces)]
 
 
-def _layer_input_grads(w_EIO: Tensor | None, w_GIO: Tensor | None, sizes: list[int], grads: tuple) -> list:
-    """d x of the card layer and of each group: grad bmm W^T."""
-    weights = w_GIO.split(sizes) if len(grads) > 1 else ()
-    card = (torch.bmm(grads[0], w_EIO.transpose(1, 2)) if w_EIO is not None else
-            grads[0].new_empty(grads[0].shape[0], 0, w_GIO.shape[1]))
-    return [card] + [torch.bmm(g, w.transpose(1, 2)) for g, w in zip(grads[1:], weights)]
+def _layered_products(x_PI: Tensor, w_EIO: Tensor | None, w_GIO: Tensor | None, layers: Layers,
+                      width: int) -> Tensor:
+    """x's layers bmm their weights, each written into its rows of one [P, width] buffer; W may be
+    given transposed (the input gradient). `w_EIO` None: the card layer is empty."""
+    out_PO = x_PI.new_empty(x_PI.shape[0], width)
+    xs, outs = _layer_views(x_PI, layers), _layer_views(out_PO, layers)
+    group_ws = w_GIO.split([g for g, _ in layers.groups]) if layers.groups else []
+    for x, out, w in zip(xs, outs, [w_EIO, *group_ws]):
+        if x.shape[1] > 0:
+            torch.bmm(x, w, out=out)
+    return out_PO
 
 
 class _LayeredBmm(torch.autograd.Function):
-    """`layered_bmm` on a tensor stack: the weight gradient is the card layer's bmm, with each
-    overflow group's added into its experts' rows (index_add_): no whole-card gradient per group."""
+    """`layered_bmm` on a tensor stack (trainable: its gradient too)."""
 
     @staticmethod
-    def forward(ctx, w_EIO: Tensor, experts_G: Tensor, sizes: list[int], x_ECI: Tensor, *x_groups: Tensor):
-        w_GIO = w_EIO.index_select(0, experts_G) if x_groups else None
-        ctx.save_for_backward(w_EIO, experts_G, x_ECI, *x_groups)
-        ctx.sizes = sizes
-        return _layer_products(w_EIO, w_GIO, sizes, x_ECI, x_groups)
+    def forward(ctx, x_PI: Tensor, w_EIO: Tensor, layers: Layers, experts_G: Tensor) -> Tensor:
+        ctx.save_for_backward(x_PI, w_EIO, experts_G)
+        ctx.layers = layers
+        w_GIO = w_EIO.index_select(0, experts_G) if layers.groups else None
+        return _layered_products(x_PI, w_EIO if layers.card else None, w_GIO, layers, w_EIO.shape[-1])
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):
-        w_EIO, experts_G, x_ECI, *x_groups = ctx.saved_tensors
-        grads = tuple(g.contiguous() for g in grads)
-        w_GIO = w_EIO.index_select(0, experts_G) if x_groups else None  # again: gathered weights are not kept
-        grad_w = torch.bmm(x_ECI.transpose(1, 2), grads[0])  # [E, I, O]
-        if x_groups:
-            grad_groups = [torch.bmm(x.transpose(1, 2), g) for x, g in zip(x_groups, grads[1:])]
-            grad_w.index_add_(0, experts_G, torch.cat(grad_groups))
-        return (grad_w, None, None, *_layer_input_grads(w_EIO, w_GIO, ctx.sizes, grads))
+    def backward(ctx, grad_PO: Tensor):
+        x_PI, w_EIO, experts_G = ctx.saved_tensors
+        layers, grad_PO = ctx.layers, grad_PO.contiguous()
+        w_GIO = w_EIO.index_select(0, experts_G) if layers.groups else None  # again: gathered weights are not kept
+        grad_x = _layered_products(grad_PO, w_EIO.transpose(1, 2) if layers.card else None,
+                                   None if w_GIO is None else w_GIO.transpose(1, 2), layers, w_EIO.shape[1])
+        xs, grads = _layer_views(x_PI, layers), _layer_views(grad_PO, layers)
+        grad_w = torch.bmm(xs[0].transpose(1, 2), grads[0]) if layers.card else torch.zeros_like(w_EIO)
+        if layers.groups:
+            grad_w.index_add_(0, experts_G, torch.cat([torch.bmm(x.transpose(1, 2), g)
+                                                       for x, g in zip(xs[1:], grads[1:])]))
+        return grad_x, grad_w, None, None
 
 
 class _RebuiltLayeredBmm(torch.autograd.Function):
-    """`layered_bmm` on a rebuilt (frozen) stack: the card made once, the groups' experts taken from it."""
+    """`layered_bmm` on a rebuilt (frozen) stack: the card made once and the groups' experts taken from
+    it, or, without a card layer, only the groups' experts made."""
 
     @staticmethod
-    def forward(ctx, weight: RebuiltWeight, experts_G: Tensor, sizes: list[int], x_ECI: Tensor, *x_groups: Tensor):
-        ctx.card = x_ECI.shape[1] > 0  # without a card layer, only the groups' experts are made
-        w, memo = _make(weight, None if ctx.card else experts_G, together=True)
+    def forward(ctx, x_PI: Tensor, weight: RebuiltWeight, layers: Layers, experts_G: Tensor) -> Tensor:
+        w, memo = _make(weight, None if layers.card else experts_G, together=True)
         ctx.save_for_backward(experts_G)
-        ctx.weight, ctx.memo, ctx.sizes = weight, memo, sizes
-        return _layer_products(*_card_and_groups(w, ctx.card, experts_G), sizes, x_ECI, x_groups)
+        ctx.weight, ctx.memo, ctx.layers = weight, memo, layers
+        w_EIO, w_GIO = _card_and_groups(w, layers, experts_G)
+        return _layered_products(x_PI, w_EIO, w_GIO, layers, w.shape[-1])
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):
+    def backward(ctx, grad_PO: Tensor):
         (experts_G,) = ctx.saved_tensors
-        w = _for_backward(ctx.weight, None if ctx.card else experts_G, ctx.memo)
-        w_EIO, w_GIO = _card_and_groups(w, ctx.card, experts_G)
-        grads = tuple(g.contiguous() for g in grads)
-        return (None, None, None, *_layer_input_grads(w_EIO, w_GIO, ctx.sizes, grads))
+        layers = ctx.layers
+        w = _for_backward(ctx.weight, None if layers.card else experts_G, ctx.memo)
+        w_EIO, w_GIO = _card_and_groups(w, layers, experts_G)
+        t = lambda m: None if m is None else m.transpose(1, 2)  # noqa: E731
+        return _layered_products(grad_PO.contiguous(), t(w_EIO), t(w_GIO), layers, w.shape[1]), None, None, None
 
 
-def _card_and_groups(w: Tensor, card: bool, experts_G: Tensor) -> tuple[Tensor | None, Tensor]:
+def _card_and_groups(w: Tensor, layers: Layers, experts_G: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """(the card's weights, the groups' weights) from what a rebuilt weight made: the whole card (the
     groups' experts taken from it), or only the groups' experts (the card layer is empty: None)."""
-    return (w, w.index_select(0, experts_G)) if card else (None, w)
+    if not layers.card:
+        return None, w
+    return w, (w.index_select(0, experts_G) if layers.groups else None)
 
 
 def _bmm_gathered(x_groups: list[Tensor], w_EIO: Tensor, experts_G: Tensor, sizes: list[int],
