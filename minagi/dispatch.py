@@ -260,6 +260,7 @@ GATHER_ROWS = 256
 # What one more layer (an overflow group: its gathers, bmms, their backward) costs beyond its rows, in
 # padded rows: the launches and their latency, at the scale of a consumer card's rows per 50 us.
 GROUP_ROWS = 512
+MAX_GROUPS = 4  # overflow groups of one call at most (each adds its launches, forward and backward)
 
 
 def round_capacity(n: int) -> int:
@@ -298,30 +299,47 @@ class Layout:
 
 def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group_rows: int = GROUP_ROWS) -> Layout:
     """The layout that costs least — padded rows, plus `gather_rows` for each overflow expert and
-    `group_rows` for each overflow group — over card capacities from the rounded loads (and none), with
-    the overflow in one group, or two (the busiest experts apart): a call runs at most three layers.
+    `group_rows` for each overflow group: the card capacity from the rounded loads (and none), judged
+    with each overflow expert at its own rounded overflow; then the chosen card's overflow in groups,
+    split where a split saves more rows than a group costs (at most MAX_GROUPS groups).
     `gather_rows` None: no card layer (a stack that makes only the experts it is asked for: frozen)."""
     kept = [int(n) for n in kept]
     loads = np.asarray(kept, dtype=np.int64)
     E = len(loads)
     cards = np.unique(np.concatenate([[0], _round_capacities(loads[loads > 0]) if gather_rows is not None else []]))
-    over_ME = -np.sort(-np.maximum(loads[None, :] - cards[:, None], 0), axis=1)  # overflows, largest first
+    over_ME = np.maximum(loads[None, :] - cards[:, None], 0)
     n_M = (over_ME > 0).sum(1)
-    cap_ME = _round_capacities(over_ME)
-    one_M = n_M * cap_ME[:, 0] + group_rows
-    k_K = np.arange(1, E)  # two groups: the k busiest at their capacity, the rest at the (k+1)-th's
-    two_MK = k_K * cap_ME[:, :1] + (n_M[:, None] - k_K) * cap_ME[:, 1:] + 2 * group_rows
-    two_MK = np.where(k_K[None, :] < n_M[:, None], two_MK, np.iinfo(np.int64).max)
-    split_M = two_MK.argmin(1) + 1 if E > 1 else np.zeros(len(cards), dtype=np.int64)
-    best_two_M = two_MK.min(1) if E > 1 else np.full(len(cards), np.iinfo(np.int64).max)
-    groups_M = np.where(n_M > 0, np.minimum(one_M, best_two_M), 0)
-    m = int(np.argmin(E * cards + groups_M + (gather_rows or 0) * n_M))
-    card, n = int(cards[m]), int(n_M[m])
+    # The overflow's rows as if each expert had its own group (the split below comes close), and the
+    # groups it will take.
+    overflow_M = _round_capacities(over_ME).sum(1) + group_rows * np.minimum(n_M, MAX_GROUPS)
+    m = int(np.argmin(E * cards + overflow_M + (gather_rows or 0) * n_M))
+    card = int(cards[m])
     order = sorted((e for e in range(E) if kept[e] > card), key=lambda e: -(kept[e] - card))
-    k = int(split_M[m]) if n > 1 and best_two_M[m] < one_M[m] else n
-    groups = [grp for grp in (order[:k], order[k:]) if grp]
-    return Layout(tuple(kept), card, tuple((round_capacity(kept[grp[0]] - card), tuple(sorted(grp)))
-                                           for grp in groups))
+    groups = _split_overflow([kept[e] - card for e in order], group_rows)
+    return Layout(tuple(kept), card, tuple((round_capacity(kept[order[lo]] - card), tuple(sorted(order[lo:hi])))
+                                           for lo, hi in groups))
+
+
+def _split_overflow(over: list[int], group_rows: int, most: int = MAX_GROUPS) -> list[tuple[int, int]]:
+    """Contiguous groups [lo, hi) of overflows sorted largest first, each padded to its first one's
+    rounded overflow: split greedily where a split saves more padded rows than a group costs."""
+    if not over:
+        return []
+    caps = [round_capacity(o) for o in over]
+    groups = [(0, len(over))]
+    while len(groups) < most:
+        best = (group_rows, None)  # a split must save more than one group's cost
+        for i, (lo, hi) in enumerate(groups):
+            for k in range(lo + 1, hi):
+                saved = (hi - k) * (caps[lo] - caps[k])
+                if saved > best[0]:
+                    best = (saved, (i, k))
+        if best[1] is None:
+            break
+        i, k = best[1]
+        lo, hi = groups[i]
+        groups[i:i + 1] = [(lo, k), (k, hi)]
+    return groups
 
 
 def host_layout(path: str, plan: DispatchPlan, gather_rows: int | None = GATHER_ROWS) -> Layout | None:
