@@ -197,6 +197,9 @@ class PoolConfig(_Section):
     z_loss_coef: float = 0.0
     aux_free_bias: bool = False  # DeepSeek-V3 selection bias
     bias_update_rate: float = 1e-3
+    # How the router scores experts (minagi/router.py): a softmax over the E logits, or DeepSeek-V3's
+    # sigmoid per expert, gates normalised over the chosen top_k.
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
     sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
     swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
     expert_dropout: float = 0.0  # training: each chosen expert's output dropped with this chance (gates rescaled)

@@ -33,7 +33,7 @@ from torch import Tensor
 from .dense import dense_swiglu
 from .dispatch import make_plan, run_native
 from .mlp import compute_dtype
-from .router import chosen_gates, choose_experts
+from .router import choose_experts, route  # noqa: F401  (choose_experts: the tests compare against it here)
 from .swiglu import swiglu_eager
 
 __all__ = ["MLPWeights", "attend_step", "head_step", "linear_step", "mlp_step", "qkv_step", "rope_step",
@@ -95,16 +95,14 @@ def rope_step(x: Tensor, cos_d: Tensor, sin_d: Tensor) -> Tensor:
 
 
 def route_step(x_BD: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: int,
-               products: bool = False) -> tuple[Tensor, Tensor]:
+               products: bool = False, score: str = "softmax") -> tuple[Tensor, Tensor]:
     """(expert ids [B, K], gates [B, K] fp32): `router.Router`'s choice, in fp32 as there, from
-    tensors (the router's own functions, without its replay memo)."""
+    tensors (the router's own rule, `router.route`, without its replay memo). `score`: the pool's
+    `router_score`."""
     with torch.autocast(x_BD.device.type, enabled=False):
-        probs_BE = linear_step(x_BD.float(), router_ED.float(), products).softmax(-1)
-        if products:
-            ids_BK = top_k_by_rounds(probs_BE if bias_E is None else probs_BE + bias_E, top_k)
-        else:
-            ids_BK = choose_experts(probs_BE, bias_E, top_k)
-        return ids_BK, chosen_gates(probs_BE, ids_BK)
+        logits_BE = linear_step(x_BD.float(), router_ED.float(), products)
+        ids_BK, gates_BK, _ = route(logits_BE, score, bias_E, top_k, top_k_fn=top_k_by_rounds if products else None)
+        return ids_BK, gates_BK
 
 
 def mlp_step(x_BD: Tensor, mlp: MLPWeights) -> Tensor:

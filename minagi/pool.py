@@ -48,7 +48,7 @@ class PooledMLP(nn.Module):
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
                              f"dispatch.resolve_dispatch); got {path!r}")
         self.cfg, self.path, self.count_reducer = cfg, path, count_reducer
-        router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias)
+        router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias, cfg.router_score)
         # The stack is registered first: parameters() keeps the order of checkpoints of format 1.
         self.experts = experts if experts is not None else ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
         self.router = router

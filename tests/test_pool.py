@@ -174,3 +174,105 @@ def test_every_dispatch_path_gives_whole_expert_stacks_a_gradient_when_an_expert
     stacks = pool.experts
     assert stacks.gate_up.grad[3].abs().sum() == 0 and stacks.down.grad[3].abs().sum() == 0
     assert stacks.gate_up.grad[:3].abs().sum() > 0
+
+
+# --- router_score = "sigmoid" (DeepSeek-V3) ------------------------------------------------------
+
+def hand_router(score, aux_free_bias=False, top_k=2):
+    """A router over 4 experts whose logits are the input itself (weight = identity)."""
+    from minagi.router import Router
+    router = Router(4, 4, top_k, aux_free_bias=aux_free_bias, score=score)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4))
+    return router
+
+
+def test_sigmoid_gates_are_the_chosen_sigmoid_scores_over_their_sum_by_hand():
+    import math
+    r = hand_router("sigmoid")(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    s = [1 / (1 + math.exp(-v)) for v in (2.0, 0.0, -1.0, 1.0)]  # 0.8808, 0.5, 0.2689, 0.7311
+    assert r.expert_ids_NK.tolist() == [[0, 3]]
+    assert r.gates_NK[0].tolist() == pytest.approx([s[0] / (s[0] + s[3]), s[3] / (s[0] + s[3])], rel=1e-6)
+    assert r.gates_NK.sum().item() == pytest.approx(1.0, rel=1e-6)
+    # P of the balance term: each character's scores normalised to sum to 1 (DeepSeek-V3's s').
+    assert r.probs_NE[0].tolist() == pytest.approx([v / sum(s) for v in s], rel=1e-6)
+
+
+def test_sigmoid_selection_takes_the_aux_free_bias_and_the_gates_do_not():
+    import math
+    router = hand_router("sigmoid", aux_free_bias=True)
+    with torch.no_grad():
+        router.selection_bias.copy_(torch.tensor([0.0, 0.5, 0.0, 0.0]))  # lifts expert 1 over expert 3
+    r = router(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    s0, s1 = 1 / (1 + math.exp(-2.0)), 0.5
+    assert sorted(r.expert_ids_NK[0].tolist()) == [0, 1]
+    gates = dict(zip(r.expert_ids_NK[0].tolist(), r.gates_NK[0].tolist()))
+    assert gates == pytest.approx({0: s0 / (s0 + s1), 1: s1 / (s0 + s1)}, rel=1e-6)
+
+
+def test_sigmoid_gates_sum_to_one_over_the_chosen_k_and_train_the_router():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, 3, "loop", router_score="sigmoid", balance_coef=0.0)
+    x = torch.randn(40, D)
+    r = pool.router(x)
+    logits = x @ pool.router.weight.T
+    torch.testing.assert_close(r.logits_NE, logits)
+    assert torch.equal(r.expert_ids_NK, logits.sigmoid().topk(3, -1).indices)
+    want = logits.sigmoid().gather(-1, r.expert_ids_NK)
+    torch.testing.assert_close(r.gates_NK, want / want.sum(-1, keepdim=True))
+    torch.testing.assert_close(r.gates_NK.sum(-1), torch.ones(40))
+    y, _ = pool(x)
+    (y * torch.randn_like(y)).sum().backward()
+    assert pool.router.weight.grad.abs().max() > 1e-4
+
+
+def test_sigmoid_top1_keeps_the_raw_score_as_its_gate():
+    r = hand_router("sigmoid", top_k=1)(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    assert r.expert_ids_NK.tolist() == [[0]]
+    assert r.gates_NK.item() == pytest.approx(torch.tensor(2.0).sigmoid().item())
+
+
+def test_sigmoid_balance_term_is_e_sum_f_times_mean_normalised_score_and_z_loss_is_on_the_logits():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, "grouped", router_score="sigmoid", balance_coef=0.01, z_loss_coef=1e-3)
+    x = torch.randn(64, D)
+    r = pool.router(x)
+    logits = x @ pool.router.weight.T
+    counts = routed_counts(r.expert_ids_NK, E)
+    s = logits.sigmoid()
+    P = (s / s.sum(-1, keepdim=True)).mean(0)  # DeepSeek-V3 eq. 19-20
+    torch.testing.assert_close(balance_loss(r, counts), E * ((counts / counts.sum()) * P).sum())
+    want = 0.01 * E * ((counts / counts.sum()) * P).sum() + 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(aux_of(pool, x), want)
+
+
+def test_an_even_sigmoid_routing_has_a_balance_term_of_one():
+    from minagi.router import Routing
+    ids = torch.arange(8).view(4, 2)  # each of 8 experts routed once
+    probs = torch.full((4, 8), 1 / 8)
+    routing = Routing(ids, torch.full((4, 2), 0.5), probs, torch.zeros(4, 8))
+    assert balance_loss(routing, routed_counts(ids, 8)).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("products", [False, True])
+def test_the_decode_step_routes_as_the_router(score, products):
+    from minagi.decode_step import route_step
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, 3, "grouped", router_score=score, aux_free_bias=True)
+    with torch.no_grad():
+        pool.router.selection_bias.normal_(0, 0.01)
+    x = torch.randn(30, D)
+    r = pool.router(x)
+    ids, gates = route_step(x, pool.router.weight, pool.router.selection_bias, 3, products, score)
+    assert torch.equal(ids.sort(-1).values, r.expert_ids_NK.sort(-1).values)
+    order = lambda i, g: g.gather(-1, i.argsort(-1))  # noqa: E731  (gates in expert order)
+    torch.testing.assert_close(order(ids, gates), order(r.expert_ids_NK, r.gates_NK), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_router_scores_with_a_softmax():
+    r = hand_router("softmax")(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    torch.testing.assert_close(r.probs_NE, r.logits_NE.softmax(-1))
+    with pytest.raises(ValueError, match="score must be one of softmax, sigmoid"):
+        hand_router("tanh")
+
