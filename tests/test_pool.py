@@ -276,3 +276,85 @@ def test_the_default_router_scores_with_a_softmax():
     with pytest.raises(ValueError, match="score must be one of softmax, sigmoid"):
         hand_router("tanh")
 
+
+# --- shared experts (DeepSeekMoE) ----------------------------------------------------------------
+
+def shared_reference(pool, x):
+    """The routed experts one character and expert at a time, plus S separate SwiGLUs of width F."""
+    from minagi.dense import dense_swiglu
+    r = pool.router(x)
+    S, F = pool.cfg.shared_experts, pool.cfg.d_expert
+    gate_up, down = pool.experts.gate_up, pool.experts.down
+    rows = []
+    for n in range(x.shape[0]):
+        y = sum(r.gates_NK[n, k] * dense_swiglu(x[n:n + 1], gate_up[e], down[e])[0]
+                for k, e in enumerate(r.expert_ids_NK[n].tolist()))
+        rows.append(y)
+    y_ND = torch.stack(rows)
+    W, H = pool.shared.gate_up, S * F
+    for s in range(S):  # shared expert s: hidden units s*F .. (s+1)*F of the gate half and of the up half
+        gate_up_s = torch.cat([W[:, s * F:(s + 1) * F], W[:, H + s * F:H + (s + 1) * F]], -1)
+        y_ND = y_ND + dense_swiglu(x, gate_up_s, pool.shared.down[s * F:(s + 1) * F])
+    return y_ND
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
+def test_shared_experts_add_s_swiglus_of_the_expert_width_to_the_routed_output_in_outputs_and_grads(path):
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, path, shared_experts=2)
+    with torch.no_grad():
+        pool.shared.gate_up.normal_(0, 0.3)
+        pool.shared.down.normal_(0, 0.3)
+    assert tuple(pool.shared.gate_up.shape) == (D, 2 * 2 * F_) and tuple(pool.shared.down.shape) == (2 * F_, D)
+    x = torch.randn(23, D)
+    weight = torch.randn(23, D)
+    grads = []
+    for fn in (lambda xi: pool(xi)[0], lambda xi: shared_reference(pool, xi)):
+        pool.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        (y * weight).sum().backward()
+        grads.append((y.detach(), xi.grad, *[p.grad.clone() for p in pool.parameters()]))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_pool_without_shared_experts_has_the_parameters_it_always_had():
+    pool = new_pool(D, F_, E, K)
+    assert pool.shared is None
+    assert list(pool.state_dict()) == ["experts.gate_up", "experts.down", "router.weight", "router.selection_bias"]
+    with_shared = new_pool(D, F_, E, K, shared_experts=1)
+    assert list(with_shared.state_dict())[4:] == ["shared.gate_up", "shared.down"]
+
+
+def test_shared_experts_are_not_dropped_with_the_chosen_experts():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, "loop", shared_experts=1, expert_dropout=0.999999).train()
+    x = torch.randn(16, D)
+    y, _ = pool(x)  # every routed gate dropped: the shared expert's output alone
+    torch.testing.assert_close(y, pool.shared(x)[0])
+
+
+def test_shared_experts_stay_trainable_beside_frozen_routed_experts():
+    from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
+    from minagi.frozen import FrozenExpertStack
+    from minagi.model import build_model
+    cfg = ModelConfig(n_rows=1, d_model=32, n_heads=2, context=8)
+    model = build_model(cfg, PoolConfig(n_experts=4, top_k=2, d_expert=32, shared_experts=1), 7, "cpu",
+                        experts=ExpertsConfig(frozen=True, quant="none"))
+    (pool,) = model.pools()
+    assert isinstance(pool.experts, FrozenExpertStack)
+    assert all(p.requires_grad for p in pool.shared.parameters())
+    groups = model.param_groups(0.1, 0.5)
+    decayed = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert {id(pool.shared.gate_up), id(pool.shared.down)} <= decayed  # the dense weights' decay
+    out = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    out.loss.backward()
+    assert pool.shared.gate_up.grad.abs().sum() > 0
+
+
+def test_the_dense_twin_width_counts_the_shared_experts():
+    from minagi.config import PoolConfig
+    assert PoolConfig(top_k=4, d_expert=512).dense_width == 2048
+    assert PoolConfig(top_k=3, d_expert=512, shared_experts=1).dense_width == 2048
+
