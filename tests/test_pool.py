@@ -358,3 +358,18 @@ def test_the_dense_twin_width_counts_the_shared_experts():
     assert PoolConfig(top_k=4, d_expert=512).dense_width == 2048
     assert PoolConfig(top_k=3, d_expert=512, shared_experts=1).dense_width == 2048
 
+
+# --- MaxVio ----------------------------------------------------------------------------------------
+
+def test_max_vio_is_the_busiest_load_over_the_mean_minus_one_by_hand():
+    from minagi.diagnostics import max_vio, mean_max_vio, summarise
+    assert max_vio([8, 8, 0, 0]) == 1.0      # fair share 4: the busiest carries 2x
+    assert max_vio([4, 4, 4, 4]) == 0.0
+    assert max_vio([13, 1, 1, 1]) == 13 / 4 - 1
+    assert max_vio([0, 0, 0]) == 0.0         # nothing routed
+    rows = [summarise([8, 8, 0, 0], 0, 8, 16, "loop", 4.0), summarise([5, 3, 4, 4], 0, 8, 16, "loop", 4.0)]
+    assert [r["max_vio"] for r in rows] == [1.0, 0.25]
+    assert rows[0]["max_vio"] == rows[0]["max_over_fair"] - 1
+    assert mean_max_vio(rows) == 0.625
+    assert mean_max_vio([{"load": [8, 8, 0, 0]}]) == 1.0  # a history row written before the field: from its load
+    assert mean_max_vio([]) is None
