@@ -133,6 +133,21 @@ def choose_prompts(args: argparse.Namespace, vocab) -> list[str]:
     return prompts
 
 
+def routing_refusal(model, path: Path) -> str | None:
+    """Writing's one-character step (minagi/decode.py) routes by softmax and adds no shared experts yet,
+    so a model with either would write what its own forward would not: one line saying so, or None.
+    (Remove once the step takes `pool.router_score` and adds `PooledMLP.shared`.)"""
+    pool = model.pool_cfg
+    if model.cfg.mlp != "pooled":
+        return None
+    unsupported = ([f"pool.shared_experts = {pool.shared_experts}"] if pool.shared_experts else []) + \
+                  ([f"pool.router_score = \"{pool.router_score}\""] if pool.router_score != "softmax" else [])
+    if not unsupported:
+        return None
+    return (f"{path}: writing cannot run this model's routing yet ({' and '.join(unsupported)}): the decode step "
+            "routes by softmax and has no shared experts; tools/evaluate.py scores it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
@@ -150,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
         model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
+        refusal = routing_refusal(model, path)
+        if refusal:
+            raise UsageError(refusal)
         step = "?" if ckpt.step is None else ckpt.step
         del ckpt  # the optimizer state in it is twice the model's size; writing needs none of it
         prompts = choose_prompts(args, vocab)

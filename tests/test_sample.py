@@ -401,3 +401,16 @@ def test_sample_py_streams_must_match_the_prompts_file(run_dir, tmp_path, capsys
     assert sample_py.main([str(run_dir / "last.pt"), "--prompts", str(path), "--streams", "3"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: --streams 3 but {path} holds 2 prompts "
                                               f"(one stream per line; leave --streams out)")
+
+
+def test_sample_py_refuses_routing_the_decode_step_cannot_run_yet_in_one_line(tmp_path, capsys):
+    # Shared experts and sigmoid scores train and evaluate; the static decode step has neither yet, so
+    # writing would not be the model's own text: refused, not written wrong.
+    from tiny import run_tiny
+    run = run_tiny(tmp_path, None, "pool.shared_experts=1", "pool.router_score=sigmoid", "train.steps=2",
+                   "train.eval_every=2", "train.warmup_steps=1")
+    assert sample_py.main([str(run.run_dir / "best.pt"), "--chars", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {run.run_dir / 'best.pt'}: writing cannot run this model's routing yet (pool.shared_experts = 1 "
+        "and pool.router_score = \"sigmoid\"): the decode step routes by softmax and has no shared experts; "
+        "tools/evaluate.py scores it"]
