@@ -181,7 +181,7 @@ class ModelConfig(_Section):
     context: int = 64  # characters per training sequence (and max KV length default)
     rope_base: float = 10000.0
     mlp: Literal["pooled", "dense"] = "pooled"
-    d_dense: int = 0  # the dense twin's hidden width; 0 = pool.top_k * pool.d_expert (equal active compute)
+    d_dense: int = 0  # the dense twin's hidden width; 0 = pool.dense_width, (top_k + shared_experts) x d_expert
     dropout: float = 0.0  # on the embedding, the attention probabilities and each residual branch (training)
 
     @property
@@ -212,12 +212,20 @@ class PoolConfig(_Section):
     n_experts: int = 8
     top_k: int = 2
     d_expert: int = 64  # F, the expert width
+    # Always-on SwiGLU experts of width d_expert beside the routed ones (DeepSeekMoE), added to the
+    # routed output; held as one SwiGLU of width shared_experts x d_expert (minagi/pool.py). They stay
+    # trainable whatever [experts] says: frozen/NF4, LoRA and offload apply to the routed stack only.
+    # sample.py refuses them (and sigmoid scores) until the decode step has them.
+    shared_experts: int = 0
     capacity_factor: float = 0.0  # 0 = uncapped (dropless)
     dispatch: Literal["auto", "grouped", "native", "rectangle", "loop"] = "auto"
     balance_coef: float = 0.01  # Switch E*sum f_i P_i
     z_loss_coef: float = 0.0
     aux_free_bias: bool = False  # DeepSeek-V3 selection bias
     bias_update_rate: float = 1e-3
+    # How the router scores experts (minagi/router.py): a softmax over the E logits, or DeepSeek-V3's
+    # sigmoid per expert, gates normalised over the chosen top_k.
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
     sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
     swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
     expert_dropout: float = 0.0  # training: each chosen expert's output dropped with this chance (gates rescaled)
@@ -229,11 +237,17 @@ class PoolConfig(_Section):
                  f"top_k must be <= n_experts ({self.n_experts})", ("pool.n_experts",))
         self._at_least(0, "capacity_factor", "balance_coef", "z_loss_coef", "bias_update_rate")
         self._positive("sink_ratio")
+        self._validate_recipe()
+
+    def _validate_recipe(self) -> None:
+        """The routing recipe's own settings (shared experts, router scores)."""
+        self._at_least(0, "shared_experts")
 
     @property
     def dense_width(self) -> int:
-        """The hidden width of a dense SwiGLU with this pool's active compute per character."""
-        return self.top_k * self.d_expert
+        """The hidden width of a dense SwiGLU with this pool's active compute per character: the
+        top_k routed experts and the shared ones."""
+        return (self.top_k + self.shared_experts) * self.d_expert
 
 
 @dataclass(frozen=True, kw_only=True)

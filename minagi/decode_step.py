@@ -44,7 +44,7 @@ from .dense import dense_swiglu
 from .dispatch import make_plan, run_native
 from .experts import ExpertStack
 from .mlp import compute_dtype
-from .router import chosen_gates, choose_experts
+from .router import choose_experts, route  # noqa: F401  (choose_experts: the tests compare against it here)
 from .swiglu import swiglu_eager
 
 __all__ = ["DenseStep", "FrozenStep", "GatheredStep", "GroupedStep", "PoolStep", "StepOptions", "auto_grouped",
@@ -92,16 +92,14 @@ def top_k_by_rounds(scores_NE: Tensor, k: int) -> Tensor:
 
 
 def route_step(x_ND: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: int,
-               products: bool = False) -> tuple[Tensor, Tensor]:
+               products: bool = False, score: str = "softmax") -> tuple[Tensor, Tensor]:
     """(expert ids [N, K], gates [N, K] fp32): `router.Router`'s choice, in fp32 as there, from
-    tensors (the router's own functions, without its replay memo)."""
+    tensors (the router's own rule, `router.route`, without its replay memo). `score`: the pool's
+    `router_score`."""
     with torch.autocast(x_ND.device.type, enabled=False):
-        probs_NE = rowmath.linear(x_ND.float(), router_ED.float(), products).softmax(-1)
-        if products:
-            ids_NK = top_k_by_rounds(probs_NE if bias_E is None else probs_NE + bias_E, top_k)
-        else:
-            ids_NK = choose_experts(probs_NE, bias_E, top_k)
-        return ids_NK, chosen_gates(probs_NE, ids_NK)
+        logits_NE = rowmath.linear(x_ND.float(), router_ED.float(), products)
+        ids_NK, gates_NK, _ = route(logits_NE, score, bias_E, top_k, top_k_fn=top_k_by_rounds if products else None)
+        return ids_NK, gates_NK
 
 
 def auto_grouped(pool, n_streams: int) -> bool:
@@ -129,11 +127,23 @@ class _Routed:
     as a sum and the top-k by rounds."""
     host_sync = False
 
+    score = "softmax"  # the pool's router_score (set by `pooled_steps`)
+
     def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, products: bool):
         self.router_ED, self.bias_E, self.top_k, self.products = router_ED, bias_E, top_k, products
 
     def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor]:
-        return route_step(x_ND, self.router_ED, self.bias_E, self.top_k, self.products)
+        return route_step(x_ND, self.router_ED, self.bias_E, self.top_k, self.products, self.score)
+
+
+class SharedStep:
+    """A routed step plus the pool's always-on shared experts (one SwiGLU: `PooledMLP.shared`)."""
+
+    def __init__(self, routed, shared: DenseStep):
+        self.routed, self.shared, self.host_sync = routed, shared, routed.host_sync
+
+    def __call__(self, x_ND: Tensor) -> Tensor:
+        return self.routed(x_ND) + self.shared(x_ND)
 
 
 class GatheredStep(_Routed):
@@ -254,7 +264,7 @@ def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolSte
                              "frozen (their chosen experts are dequantized: use 'gathered' or 'auto')")
         if options.compiled:
             raise ValueError("a compiled step runs resident experts; this pool's experts are frozen")
-        return (FrozenStep(*route, pool.experts, options.read_in_place, options.products),
+        return (_with_shared(pool, FrozenStep(*route, pool.experts, options.read_in_place, options.products), options),
                 PoolStep(pool, options.read_in_place))
     grouped = options.expert_path == "grouped" or (options.expert_path == "auto"
                                                    and auto_grouped(pool, options.n_streams))
@@ -269,4 +279,14 @@ def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolSte
     else:
         step = GatheredStep(*route, gate_up, down)
     window = GroupedStep(*route, gate_up, down, fused) if pool.path == "native" else PoolStep(pool)
-    return step, window
+    return _with_shared(pool, step, options), _with_shared(pool, window, options)
+
+
+def _with_shared(pool, step, options: StepOptions):
+    """The step with the pool's router score, and its shared experts added (a pool forward has both)."""
+    if isinstance(step, PoolStep):
+        return step
+    step.score = pool.cfg.router_score
+    if pool.shared is None:
+        return step
+    return SharedStep(step, DenseStep(options.cast(pool.shared.gate_up), options.cast(pool.shared.down)))

@@ -2,8 +2,9 @@
 
 Shape legend: N characters, D model width, H hidden width.
 
-At `H = top_k * d_expert` (the profile's `model.d_dense`, or that product when 0) it does the
-active compute of a pool per character: the baseline that says whether the experts help.
+At `H = (top_k + shared_experts) * d_expert` (`PoolConfig.dense_width`; the profile's `model.d_dense`,
+or that width when 0) it does the active compute of a pool per character: the baseline that says
+whether the experts help, and the checkpoint a pool is upcycled from (minagi/upcycle.py).
 `dense_swiglu` is the one dense SwiGLU of the codebase: the tests and the dispatch benchmark use it.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch import Tensor
 from .distributed import all_reduce_sum
 from .mlp import RouteCounts
 
-__all__ = ["RoutingMeter", "StepCounts", "reduce_over_ranks", "step_counts", "summarise"]
+__all__ = ["RoutingMeter", "StepCounts", "max_vio", "mean_max_vio", "reduce_over_ranks", "step_counts", "summarise"]
 
 
 class StepCounts:
@@ -137,4 +137,19 @@ def summarise(load: list[int], dropped: int, chars: int, padded: int, path: str,
         "dead": sum(1 for n in load if n == 0) if routed else 0,
         "dropped_fraction": dropped / routed if routed else 0.0,
         "padding_ratio": padded / routed if routed else 0.0,
+        "max_vio": max_vio(load),
     }
+
+
+def max_vio(load: Sequence[int]) -> float:
+    """MaxVio, the Loss-Free Balancing paper's measure of imbalance (Wang et al. 2024, arXiv 2408.15664):
+    the busiest expert's load over the fair share (the mean load), minus 1. 0 when even, and when
+    nothing was routed."""
+    routed = sum(load)
+    return max(load) * len(load) / routed - 1.0 if routed else 0.0
+
+
+def mean_max_vio(rows: Sequence[dict]) -> float | None:
+    """A record's MaxVio: the mean over its pooled rows (its `sinks`) of each row's MaxVio, from the
+    row's loads (so histories written before the field existed read too); None without pools."""
+    return sum(max_vio(r["load"]) for r in rows) / len(rows) if rows else None

@@ -56,9 +56,13 @@ def init_from_checkpoint(model: CharLM, ckpt: Checkpoint, path: str | Path) -> l
     """A trained checkpoint's weights into a newly built `model`: every tensor by name and shape;
     a trainable expert stack into a frozen one is quantized on the way. Returns the tensors the
     checkpoint did not have and the model starts fresh (LoRA adapters). Any other difference is a
-    one-line CheckpointError naming the tensor."""
+    one-line CheckpointError naming the tensor. A dense twin's checkpoint into a pooled model is
+    upcycled: its MLPs split into the pools' experts, the routers fresh (minagi/upcycle.py)."""
     from .frozen import frozen_stacks
     state = ckpt.model
+    if ckpt.config.model.mlp == "dense" and model.pools():
+        from .upcycle import upcycled_state
+        state = upcycled_state(state, model, path)
     frozen = frozen_stacks(model)
     saved = model.state_dict(keep_vars=True).keys()  # not the buffers a model remakes (RoPE tables)
     targets = {**dict(model.named_parameters()), **{k: b for k, b in model.named_buffers() if k in saved}}

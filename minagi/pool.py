@@ -3,7 +3,8 @@
 Shape legend:
   N characters, D model width, E experts, K top_k, F expert width, R = N*K routed rows.
 
-`forward(x_ND, dropless=False) -> (y_ND, MLPAux)` (the MLP contract, minagi/mlp.py): the output, and
+`forward(x_ND, dropless=False) -> (y_ND, MLPAux)` (the MLP contract, minagi/mlp.py): the output (the
+routed experts' combined output, plus the shared experts' when `pool.shared_experts` > 0), and
 what the caller needs of this call — the aux loss (balance term + z-loss, already weighted) and the
 routing counts. The pool keeps nothing from a call: counts are returned, so whoever runs the pool
 decides what counts (the trainer adds a training step's counts once, whatever recomputes the row;
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from . import decode_step, recompute
 from .config import PoolConfig
+from .dense import DenseMLP
 from .dispatch import RUNNERS, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import MLPAux, RouteCounts, compute_dtype
@@ -39,6 +41,13 @@ class PooledMLP(nn.Module):
     rows of expert i (summed across ranks by `count_reducer` when given: DDP), and P_i, the mean
     router probability. `experts`: the row's stack (minagi/experts.py `build_stack`), trainable by
     default.
+
+    Shared experts (`pool.shared_experts` = S > 0, DeepSeekMoE, arXiv 2401.06066): S always-on SwiGLU
+    experts of width F, each with weight 1, added to the routed output. S SwiGLUs of width F summed are
+    one SwiGLU of width S*F (the hidden units side by side), so they are held as one `DenseMLP`
+    (`shared`): two GEMMs instead of 2S smaller ones, as DeepSeek-V3's and torchtitan's shared experts
+    are one MLP of S times the expert width. Always trainable (never frozen, quantized or offloaded),
+    never routed, dropped or counted; decayed by `train.weight_decay` as the dense weights are.
     """
 
     def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
@@ -48,11 +57,18 @@ class PooledMLP(nn.Module):
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
                              f"dispatch.resolve_dispatch); got {path!r}")
         self.cfg, self.path, self.count_reducer = cfg, path, count_reducer
-        router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias)
+        router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias, cfg.router_score)
         # The stack is registered first: parameters() keeps the order of checkpoints of format 1.
         self.experts = experts if experts is not None else ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
         self.router = router
+        self.shared = self._shared_experts(d_model)
         self.reset_parameters()
+
+    def _shared_experts(self, d_model: int) -> DenseMLP | None:
+        """The always-on experts as one SwiGLU of width shared_experts x d_expert; None without them
+        (registered after the router: a pool without them has the parameters it always had)."""
+        width = self.cfg.shared_experts * self.cfg.d_expert
+        return DenseMLP(d_model, width) if width else None
 
     @property
     def n_experts(self) -> int:
@@ -61,6 +77,8 @@ class PooledMLP(nn.Module):
     def reset_parameters(self, std: float = 0.02, down_std: float | None = None) -> None:
         nn.init.normal_(self.router.weight, std=std)
         self.experts.reset_parameters(std, std if down_std is None else down_std)
+        if self.shared is not None:
+            self.shared.reset_parameters(std, down_std)
 
     def capacity(self, n_chars: int, dropless: bool = False) -> int:
         """Rows kept per expert: ceil(c * fair share); 0 = uncapped (also whenever `dropless`)."""
@@ -78,6 +96,8 @@ class PooledMLP(nn.Module):
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
         y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
                                             in_place=in_place)
+        if self.shared is not None:
+            y_ND = y_ND + self.shared(x_ND)[0]
         return y_ND, MLPAux(self.aux_loss(routing), counts)
 
     def decoder(self, options: decode_step.StepOptions):

@@ -3,16 +3,23 @@
 Shape legend: N characters, D model width, E experts, K top_k.
 
 The router scores E experts per character in fp32 and keeps the top_k. Gates are renormalised over
-the chosen experts when top_k > 1; top-1 keeps the raw probability, as Switch does (a renormalised
+the chosen experts when top_k > 1; top-1 keeps the raw score, as Switch does (a renormalised
 single gate is exactly 1, and the router would learn from the aux terms alone). With the aux-free
 bias (DeepSeek-V3), a selection-only bias is added to the scores that choose the experts; the gates
-use the unbiased probabilities. The bias moves only when the trainer calls `step_bias` with a
+use the unbiased scores. The bias moves only when the trainer calls `step_bias` with a
 training step's loads: a forward changes nothing.
+
+Scores (`pool.router_score`): `softmax` over the E logits (Switch, GShard), or `sigmoid` of each
+logit alone (DeepSeek-V3, arXiv 2412.19437 §2.1.2: top-k on the scores plus the bias, gates the
+chosen scores over their sum). `route` is the one routing rule, from logits: the router and the
+decoder's step (minagi/decode_step.py `route_step`) both call it. `Routing.probs_NE` is what the
+balance term's P_i averages: the softmax, or with sigmoid scores each character's scores normalised
+to sum to 1 (DeepSeek-V3's sequence-wise balance loss, eq. 17-20: s'_{i,t} = s_{i,t} / sum_j s_{j,t}).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -21,22 +28,27 @@ from torch import Tensor
 
 from . import recompute
 
-__all__ = ["Router", "Routing", "balance_loss", "choose_experts", "chosen_gates", "routed_counts", "z_loss"]
+__all__ = ["Router", "Routing", "balance_loss", "balance_probs", "choose_experts", "chosen_gates", "expert_scores",
+           "route", "routed_counts", "z_loss"]
 
 
 class Routing(NamedTuple):
     expert_ids_NK: Tensor  # int64, distinct experts per character
     gates_NK: Tensor       # fp32 weights of the chosen experts' outputs
-    probs_NE: Tensor       # fp32 softmax over all experts (unbiased)
+    probs_NE: Tensor       # fp32, each row sums to 1 (unbiased): the softmax, or sigmoid scores normalised
     logits_NE: Tensor      # fp32 router logits
 
 
 class Router(nn.Module):
-    """Linear scores D -> E, softmax, top-k; `forward(x_ND) -> Routing`."""
+    """Linear logits D -> E, scores (softmax or sigmoid), top-k; `forward(x_ND) -> Routing`."""
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, aux_free_bias: bool = False):
+    def __init__(self, d_model: int, n_experts: int, top_k: int, aux_free_bias: bool = False,
+                 score: str = "softmax"):
         super().__init__()
         self.n_experts, self.top_k, self.aux_free_bias = n_experts, top_k, aux_free_bias
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}; got {score!r}")
+        self.score = score
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))  # [E, D], as nn.Linear holds it
         # nn.Linear's own initialisation, so a model draws the same random numbers as before the
         # router was a module of its own (the pool re-initialises it; the golden run stays put).
@@ -46,16 +58,12 @@ class Router(nn.Module):
     def forward(self, x_ND: Tensor) -> Routing:
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.weight.float())
-            probs_NE = logits_NE.softmax(-1)
             # The choice is not differentiable; a row's checkpoint replay takes the forward's, so a
             # recompute can neither re-draw ties nor see a bias that moved in between.
-            expert_ids_NK = recompute.remember((self, "expert_ids"), lambda: self._choose(probs_NE))
-            gates_NK = chosen_gates(probs_NE, expert_ids_NK)
-        return Routing(expert_ids_NK, gates_NK, probs_NE, logits_NE)
-
-    @torch.no_grad()  # nothing saved for backward: the replay, which skips this, saves the same tensors
-    def _choose(self, probs_NE: Tensor) -> Tensor:
-        return choose_experts(probs_NE, self.selection_bias if self.aux_free_bias else None, self.top_k)
+            expert_ids_NK, gates_NK, scores_NE = route(
+                logits_NE, self.score, self.selection_bias if self.aux_free_bias else None, self.top_k,
+                memo=lambda choose: recompute.remember((self, "expert_ids"), choose))
+        return Routing(expert_ids_NK, gates_NK, balance_probs(scores_NE, self.score), logits_NE)
 
     @torch.no_grad()
     def step_bias(self, load_E: Tensor, rate: float) -> None:
@@ -67,15 +75,52 @@ class Router(nn.Module):
         self.selection_bias += torch.where(load_E.sum() > 0, rate * torch.sign(load_E.mean() - load_E), 0.0)
 
 
-def choose_experts(probs_NE: Tensor, bias_E: Tensor | None, top_k: int) -> Tensor:
-    """The top_k experts of each row [N, K]: by probability, plus the aux-free selection bias if any."""
-    scores_NE = probs_NE if bias_E is None else probs_NE + bias_E
-    return scores_NE.topk(top_k, dim=-1).indices
+SCORES = ("softmax", "sigmoid")
 
 
-def chosen_gates(probs_NE: Tensor, expert_ids_NK: Tensor) -> Tensor:
-    """The chosen experts' probabilities [N, K], renormalised to sum to 1 when K > 1."""
-    gates_NK = probs_NE.gather(-1, expert_ids_NK)
+def expert_scores(logits_NE: Tensor, score: str) -> Tensor:
+    """Each character's scores of the E experts [N, E]: softmax over the logits, or sigmoid of each."""
+    if score == "softmax":
+        return logits_NE.softmax(-1)
+    if score == "sigmoid":
+        return logits_NE.sigmoid()
+    raise ValueError(f"score must be one of {', '.join(SCORES)}; got {score!r}")
+
+
+def balance_probs(scores_NE: Tensor, score: str) -> Tensor:
+    """The distribution over experts the balance term's P_i averages [N, E]: the softmax itself, or
+    sigmoid scores normalised per character (DeepSeek-V3's s'_{i,t})."""
+    return scores_NE if score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
+
+
+def route(logits_NE: Tensor, score: str, bias_E: Tensor | None, top_k: int, *,
+          top_k_fn: Callable[[Tensor, int], Tensor] | None = None,
+          memo: Callable[[Callable[[], Tensor]], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The routing rule, from fp32 logits [N, E]: (expert ids [N, K], gates [N, K], scores [N, E]).
+
+    The top_k of the scores plus the selection bias (`choose_experts`); gates are the unbiased scores
+    of the chosen experts (`chosen_gates`). `top_k_fn(selection_NE, k) -> ids`: how the top k are taken
+    (default `topk`; the decoder's compiled step takes rounds of argmax). `memo(choose) -> ids`: where
+    the choice is kept (the router's checkpoint-replay memo); the choice never records a graph.
+    """
+    scores_NE = expert_scores(logits_NE, score)
+    choose = lambda: choose_experts(scores_NE.detach(), bias_E, top_k, top_k_fn)  # noqa: E731
+    expert_ids_NK = choose() if memo is None else memo(choose)
+    return expert_ids_NK, chosen_gates(scores_NE, expert_ids_NK), scores_NE
+
+
+def choose_experts(scores_NE: Tensor, bias_E: Tensor | None, top_k: int,
+                   top_k_fn: Callable[[Tensor, int], Tensor] | None = None) -> Tensor:
+    """The top_k experts of each row [N, K]: by score, plus the aux-free selection bias if any."""
+    selection_NE = scores_NE if bias_E is None else scores_NE + bias_E
+    if top_k_fn is not None:
+        return top_k_fn(selection_NE, top_k)
+    return selection_NE.topk(top_k, dim=-1).indices
+
+
+def chosen_gates(scores_NE: Tensor, expert_ids_NK: Tensor) -> Tensor:
+    """The chosen experts' scores [N, K], renormalised to sum to 1 when K > 1 (top-1: the raw score)."""
+    gates_NK = scores_NE.gather(-1, expert_ids_NK)
     return gates_NK / gates_NK.sum(-1, keepdim=True) if expert_ids_NK.shape[-1] > 1 else gates_NK
 
 
@@ -87,7 +132,8 @@ def routed_counts(expert_ids_NK: Tensor, n_experts: int) -> Tensor:
 
 def balance_loss(routing: Routing, counts_E: Tensor) -> Tensor:
     """Switch's `E * sum_i f_i * P_i` (unweighted): f_i the fraction of routed rows in `counts_E`
-    (this rank's or the job's), P_i the mean router probability."""
+    (this rank's or the job's), P_i the mean of `routing.probs_NE` (the softmax; with sigmoid scores,
+    the normalised scores, as DeepSeek-V3's balance loss: the same term for either score)."""
     n_experts = routing.probs_NE.shape[-1]
     if routing.probs_NE.shape[0] == 0:
         return routing.probs_NE.new_zeros(())
@@ -96,7 +142,8 @@ def balance_loss(routing: Routing, counts_E: Tensor) -> Tensor:
 
 
 def z_loss(routing: Routing) -> Tensor:
-    """Router z-loss `mean(logsumexp(logits)^2)` (unweighted): keeps the logits from growing."""
+    """Router z-loss `mean(logsumexp(logits)^2)` (unweighted): keeps the logits from growing. On the
+    logits whatever the score (ST-MoE's term; with sigmoid scores it still bounds their size)."""
     if routing.logits_NE.shape[0] == 0:
         return routing.logits_NE.new_zeros(())
     return torch.logsumexp(routing.logits_NE, -1).square().mean()

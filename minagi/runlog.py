@@ -51,6 +51,7 @@ HISTORY_FIELDS = (
     "rss_bytes",
     "sinks",              # the routing meter's rows (minagi/diagnostics.py): training steps since the last record
     "dropped_fraction",   # mean over rows of the rows' dropped fraction
+    "max_vio",            # mean over rows of max load / fair share - 1 (Loss-Free Balancing's MaxVio)
     "dequants",           # frozen stacks: dequants per step by phase, pinned replays, stacks (None: none)
     "offload",            # offloaded stacks: H2D bytes and unhidden H2D ms per step, resident bytes (None: none)
 )

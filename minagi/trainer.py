@@ -41,7 +41,7 @@ from .assemble import Training, build_training, check_world_size
 from .checkpoint import Checkpoint, CorpusSummary, Meter, capture_rng_state
 from .config import Config, ConfigError
 from .data import batch_on
-from .diagnostics import RoutingMeter, StepCounts, reduce_over_ranks, step_counts
+from .diagnostics import RoutingMeter, StepCounts, mean_max_vio, reduce_over_ranks, step_counts
 from .frozen import dequant_summary
 from .model import CharLM
 from .offload import offload_summary
@@ -373,6 +373,7 @@ class Trainer:
                   "chars_per_s": self.interval.chars_per_s, "wall_s": state.wall_s,
                   **devices.memory_stats(self.device), "sinks": sinks,
                   "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
+                  "max_vio": mean_max_vio(sinks),
                   "dequants": dequants, "offload": offload}
         return {k: record[k] for k in HISTORY_FIELDS}
 

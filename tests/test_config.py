@@ -182,6 +182,7 @@ def test_a_profile_under_the_working_directory_is_named_by_its_relative_path(tmp
     ("model", "d_model", "68", "must be even"),         # 68 / 4 = 17
     ("pool", "capacity_factor", "-0.5", "must be >= 0"),
     ("pool", "sink_ratio", "0", "must be > 0"),
+    ("pool", "shared_experts", "-1", "must be >= 0"),
     ("model", "d_dense", "-1", "must be >= 0"),
     ("model", "rope_base", "0", "must be > 0"),
     ("data", "heldout_fraction", "0", "strictly between 0 and 1"),
@@ -372,3 +373,15 @@ def test_format_1_config_dicts_move_their_pool_keys_under_pool():
                    "train": {"steps": 90}}
     assert upgrade_config_dict(new) == new and old["model"]["n_experts"] == 16  # idempotent, not in place
     assert config_from_dict(new).pool.top_k == 4
+
+
+def test_the_routing_recipes_keys_default_to_todays_and_refuse_bad_values_in_one_line():
+    pool = load_config(None).pool
+    assert (pool.shared_experts, pool.router_score) == (0, "softmax")
+    assert error_of(load_config, None, ["pool.router_score=tanh"]) == (
+        "--set pool.router_score: pool.router_score = \"tanh\" is not one of: softmax, sigmoid")
+    assert error_of(load_config, None, ["pool.shared_experts=-2"]) == (
+        "--set pool.shared_experts: pool.shared_experts = -2 is impossible: must be >= 0")
+    assert "expected an integer" in error_of(load_config, None, ["pool.shared_experts=1.5"])
+    cfg = load_config(None, ["pool.top_k=3", "pool.d_expert=96", "pool.shared_experts=1"])
+    assert cfg.dense_width == 384 == (3 + 1) * 96  # the twin's equal-compute width counts the shared experts

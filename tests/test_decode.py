@@ -29,7 +29,9 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context
 KINDS = {"grouped": ["pool.dispatch=grouped"], "loop": ["pool.dispatch=loop"],
          "rectangle": ["pool.dispatch=rectangle"], "native": ["pool.dispatch=native"],
          "capacity": ["pool.capacity_factor=0.5"], "top1": ["pool.top_k=1"], "dense": ["model.mlp=dense"],
-         "nf4": ["pool.dispatch=grouped"], "nf4-lora": ["pool.dispatch=grouped"]}
+         "nf4": ["pool.dispatch=grouped"], "nf4-lora": ["pool.dispatch=grouped"],
+         "shared": ["pool.shared_experts=1", "pool.dispatch=native"],
+         "sigmoid": ["pool.router_score=sigmoid", "pool.aux_free_bias=true"]}
 VOCAB = Vocab.from_text(TEXT)
 
 

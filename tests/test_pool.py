@@ -174,3 +174,202 @@ def test_every_dispatch_path_gives_whole_expert_stacks_a_gradient_when_an_expert
     stacks = pool.experts
     assert stacks.gate_up.grad[3].abs().sum() == 0 and stacks.down.grad[3].abs().sum() == 0
     assert stacks.gate_up.grad[:3].abs().sum() > 0
+
+
+# --- router_score = "sigmoid" (DeepSeek-V3) ------------------------------------------------------
+
+def hand_router(score, aux_free_bias=False, top_k=2):
+    """A router over 4 experts whose logits are the input itself (weight = identity)."""
+    from minagi.router import Router
+    router = Router(4, 4, top_k, aux_free_bias=aux_free_bias, score=score)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4))
+    return router
+
+
+def test_sigmoid_gates_are_the_chosen_sigmoid_scores_over_their_sum_by_hand():
+    import math
+    r = hand_router("sigmoid")(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    s = [1 / (1 + math.exp(-v)) for v in (2.0, 0.0, -1.0, 1.0)]  # 0.8808, 0.5, 0.2689, 0.7311
+    assert r.expert_ids_NK.tolist() == [[0, 3]]
+    assert r.gates_NK[0].tolist() == pytest.approx([s[0] / (s[0] + s[3]), s[3] / (s[0] + s[3])], rel=1e-6)
+    assert r.gates_NK.sum().item() == pytest.approx(1.0, rel=1e-6)
+    # P of the balance term: each character's scores normalised to sum to 1 (DeepSeek-V3's s').
+    assert r.probs_NE[0].tolist() == pytest.approx([v / sum(s) for v in s], rel=1e-6)
+
+
+def test_sigmoid_selection_takes_the_aux_free_bias_and_the_gates_do_not():
+    import math
+    router = hand_router("sigmoid", aux_free_bias=True)
+    with torch.no_grad():
+        router.selection_bias.copy_(torch.tensor([0.0, 0.5, 0.0, 0.0]))  # lifts expert 1 over expert 3
+    r = router(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    s0, s1 = 1 / (1 + math.exp(-2.0)), 0.5
+    assert sorted(r.expert_ids_NK[0].tolist()) == [0, 1]
+    gates = dict(zip(r.expert_ids_NK[0].tolist(), r.gates_NK[0].tolist()))
+    assert gates == pytest.approx({0: s0 / (s0 + s1), 1: s1 / (s0 + s1)}, rel=1e-6)
+
+
+def test_sigmoid_gates_sum_to_one_over_the_chosen_k_and_train_the_router():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, 3, "loop", router_score="sigmoid", balance_coef=0.0)
+    x = torch.randn(40, D)
+    r = pool.router(x)
+    logits = x @ pool.router.weight.T
+    torch.testing.assert_close(r.logits_NE, logits)
+    assert torch.equal(r.expert_ids_NK, logits.sigmoid().topk(3, -1).indices)
+    want = logits.sigmoid().gather(-1, r.expert_ids_NK)
+    torch.testing.assert_close(r.gates_NK, want / want.sum(-1, keepdim=True))
+    torch.testing.assert_close(r.gates_NK.sum(-1), torch.ones(40))
+    y, _ = pool(x)
+    (y * torch.randn_like(y)).sum().backward()
+    assert pool.router.weight.grad.abs().max() > 1e-4
+
+
+def test_sigmoid_top1_keeps_the_raw_score_as_its_gate():
+    r = hand_router("sigmoid", top_k=1)(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    assert r.expert_ids_NK.tolist() == [[0]]
+    assert r.gates_NK.item() == pytest.approx(torch.tensor(2.0).sigmoid().item())
+
+
+def test_sigmoid_balance_term_is_e_sum_f_times_mean_normalised_score_and_z_loss_is_on_the_logits():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, "grouped", router_score="sigmoid", balance_coef=0.01, z_loss_coef=1e-3)
+    x = torch.randn(64, D)
+    r = pool.router(x)
+    logits = x @ pool.router.weight.T
+    counts = routed_counts(r.expert_ids_NK, E)
+    s = logits.sigmoid()
+    P = (s / s.sum(-1, keepdim=True)).mean(0)  # DeepSeek-V3 eq. 19-20
+    torch.testing.assert_close(balance_loss(r, counts), E * ((counts / counts.sum()) * P).sum())
+    want = 0.01 * E * ((counts / counts.sum()) * P).sum() + 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(aux_of(pool, x), want)
+
+
+def test_an_even_sigmoid_routing_has_a_balance_term_of_one():
+    from minagi.router import Routing
+    ids = torch.arange(8).view(4, 2)  # each of 8 experts routed once
+    probs = torch.full((4, 8), 1 / 8)
+    routing = Routing(ids, torch.full((4, 2), 0.5), probs, torch.zeros(4, 8))
+    assert balance_loss(routing, routed_counts(ids, 8)).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("products", [False, True])
+def test_the_decode_step_routes_as_the_router(score, products):
+    from minagi.decode_step import route_step
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, 3, "grouped", router_score=score, aux_free_bias=True)
+    with torch.no_grad():
+        pool.router.selection_bias.normal_(0, 0.01)
+    x = torch.randn(30, D)
+    r = pool.router(x)
+    ids, gates = route_step(x, pool.router.weight, pool.router.selection_bias, 3, products, score)
+    assert torch.equal(ids.sort(-1).values, r.expert_ids_NK.sort(-1).values)
+    order = lambda i, g: g.gather(-1, i.argsort(-1))  # noqa: E731  (gates in expert order)
+    torch.testing.assert_close(order(ids, gates), order(r.expert_ids_NK, r.gates_NK), rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_router_scores_with_a_softmax():
+    r = hand_router("softmax")(torch.tensor([[2.0, 0.0, -1.0, 1.0]]))
+    torch.testing.assert_close(r.probs_NE, r.logits_NE.softmax(-1))
+    with pytest.raises(ValueError, match="score must be one of softmax, sigmoid"):
+        hand_router("tanh")
+
+
+# --- shared experts (DeepSeekMoE) ----------------------------------------------------------------
+
+def shared_reference(pool, x):
+    """The routed experts one character and expert at a time, plus S separate SwiGLUs of width F."""
+    from minagi.dense import dense_swiglu
+    r = pool.router(x)
+    S, F = pool.cfg.shared_experts, pool.cfg.d_expert
+    gate_up, down = pool.experts.gate_up, pool.experts.down
+    rows = []
+    for n in range(x.shape[0]):
+        y = sum(r.gates_NK[n, k] * dense_swiglu(x[n:n + 1], gate_up[e], down[e])[0]
+                for k, e in enumerate(r.expert_ids_NK[n].tolist()))
+        rows.append(y)
+    y_ND = torch.stack(rows)
+    W, H = pool.shared.gate_up, S * F
+    for s in range(S):  # shared expert s: hidden units s*F .. (s+1)*F of the gate half and of the up half
+        gate_up_s = torch.cat([W[:, s * F:(s + 1) * F], W[:, H + s * F:H + (s + 1) * F]], -1)
+        y_ND = y_ND + dense_swiglu(x, gate_up_s, pool.shared.down[s * F:(s + 1) * F])
+    return y_ND
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped", "rectangle", "native"])
+def test_shared_experts_add_s_swiglus_of_the_expert_width_to_the_routed_output_in_outputs_and_grads(path):
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, path, shared_experts=2)
+    with torch.no_grad():
+        pool.shared.gate_up.normal_(0, 0.3)
+        pool.shared.down.normal_(0, 0.3)
+    assert tuple(pool.shared.gate_up.shape) == (D, 2 * 2 * F_) and tuple(pool.shared.down.shape) == (2 * F_, D)
+    x = torch.randn(23, D)
+    weight = torch.randn(23, D)
+    grads = []
+    for fn in (lambda xi: pool(xi)[0], lambda xi: shared_reference(pool, xi)):
+        pool.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi)
+        (y * weight).sum().backward()
+        grads.append((y.detach(), xi.grad, *[p.grad.clone() for p in pool.parameters()]))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_pool_without_shared_experts_has_the_parameters_it_always_had():
+    pool = new_pool(D, F_, E, K)
+    assert pool.shared is None
+    assert list(pool.state_dict()) == ["experts.gate_up", "experts.down", "router.weight", "router.selection_bias"]
+    with_shared = new_pool(D, F_, E, K, shared_experts=1)
+    assert list(with_shared.state_dict())[4:] == ["shared.gate_up", "shared.down"]
+
+
+def test_shared_experts_are_not_dropped_with_the_chosen_experts():
+    torch.manual_seed(0)
+    pool = new_pool(D, F_, E, K, "loop", shared_experts=1, expert_dropout=0.999999).train()
+    x = torch.randn(16, D)
+    y, _ = pool(x)  # every routed gate dropped: the shared expert's output alone
+    torch.testing.assert_close(y, pool.shared(x)[0])
+
+
+def test_shared_experts_stay_trainable_beside_frozen_routed_experts():
+    from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
+    from minagi.frozen import FrozenExpertStack
+    from minagi.model import build_model
+    cfg = ModelConfig(n_rows=1, d_model=32, n_heads=2, context=8)
+    model = build_model(cfg, PoolConfig(n_experts=4, top_k=2, d_expert=32, shared_experts=1), 7, "cpu",
+                        experts=ExpertsConfig(frozen=True, quant="none"))
+    (pool,) = model.pools()
+    assert isinstance(pool.experts, FrozenExpertStack)
+    assert all(p.requires_grad for p in pool.shared.parameters())
+    groups = model.param_groups(0.1, 0.5)
+    decayed = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert {id(pool.shared.gate_up), id(pool.shared.down)} <= decayed  # the dense weights' decay
+    out = model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    out.loss.backward()
+    assert pool.shared.gate_up.grad.abs().sum() > 0
+
+
+def test_the_dense_twin_width_counts_the_shared_experts():
+    from minagi.config import PoolConfig
+    assert PoolConfig(top_k=4, d_expert=512).dense_width == 2048
+    assert PoolConfig(top_k=3, d_expert=512, shared_experts=1).dense_width == 2048
+
+
+# --- MaxVio ----------------------------------------------------------------------------------------
+
+def test_max_vio_is_the_busiest_load_over_the_mean_minus_one_by_hand():
+    from minagi.diagnostics import max_vio, mean_max_vio, summarise
+    assert max_vio([8, 8, 0, 0]) == 1.0      # fair share 4: the busiest carries 2x
+    assert max_vio([4, 4, 4, 4]) == 0.0
+    assert max_vio([13, 1, 1, 1]) == 13 / 4 - 1
+    assert max_vio([0, 0, 0]) == 0.0         # nothing routed
+    rows = [summarise([8, 8, 0, 0], 0, 8, 16, "loop", 4.0), summarise([5, 3, 4, 4], 0, 8, 16, "loop", 4.0)]
+    assert [r["max_vio"] for r in rows] == [1.0, 0.25]
+    assert rows[0]["max_vio"] == rows[0]["max_over_fair"] - 1
+    assert mean_max_vio(rows) == 0.625
+    assert mean_max_vio([{"load": [8, 8, 0, 0]}]) == 1.0  # a history row written before the field: from its load
+    assert mean_max_vio([]) is None

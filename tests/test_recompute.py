@@ -138,3 +138,20 @@ def test_the_count_reducer_runs_once_per_forward_on_two_gloo_ranks(tmp_path):
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"rank{rank}.pt")
         assert seen["calls"] == seen["expected"] == 2 * CFG.n_rows
+
+
+def test_shared_experts_and_sigmoid_scores_recompute_to_the_plain_gradients_and_the_forwards_choice():
+    from dataclasses import replace
+    pool = replace(POOL, shared_experts=1, router_score="sigmoid")
+    plain, checkpointed = model_pair("grouped", pool)
+    x, y = batch()
+    a = train_forward_backward(plain, x, y)
+    with set_checkpoint_early_stop(False):
+        out = checkpointed(x, y)
+        for p in checkpointed.pools():  # a replay that re-chose would see this bias
+            p.router.selection_bias.add_(torch.linspace(-5, 5, pool.n_experts))
+        (out.loss + out.aux_loss).backward()
+    assert torch.equal(a.loss, out.loss) and torch.equal(a.aux_loss, out.aux_loss)
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert any(".shared." in name for name, _ in plain.named_parameters())

@@ -419,3 +419,14 @@ def test_sample_py_streams_must_match_the_prompts_file(run_dir, tmp_path, capsys
     assert sample_py.main([str(run_dir / "last.pt"), "--prompts", str(path), "--streams", "3"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: --streams 3 but {path} holds 2 prompts "
                                               f"(one stream per line; leave --streams out)")
+
+
+def test_sample_py_writes_a_model_with_shared_experts_and_sigmoid_scores(tmp_path, capsys):
+    # The static decode step routes by the pool's router_score and adds its shared experts: such a
+    # model writes (its text held to the model's own forward in tests/test_decode.py).
+    from tiny import run_tiny
+    run = run_tiny(tmp_path, None, "pool.shared_experts=1", "pool.router_score=sigmoid", "train.steps=2",
+                   "train.eval_every=2", "train.warmup_steps=1")
+    assert sample_py.main([str(run.run_dir / "best.pt"), "--chars", "5", "--no-echo"]) == 0
+    assert len(capsys.readouterr().out) == 5
+

@@ -61,6 +61,8 @@ def test_per_row_loads_sum_to_characters_times_top_k(ckpt):
         assert 0.0 < row["entropy_bits"] <= math.log2(E) + 1e-12
         assert row["entropy_fraction"] == pytest.approx(row["entropy_bits"] / 2)
         assert row["dropped_fraction"] == 0.0  # capacity_factor 0: dropless
+        assert row["max_vio"] == pytest.approx(d["max_over_fair"] - 1) == pytest.approx(d["max_vio"])
+    assert table["max_vio"] == pytest.approx(sum(r["max_vio"] for r in table["rows"]) / ROWS)
 
 
 def test_printed_table_shows_the_same_numbers_as_the_data(ckpt, capsys):
@@ -69,12 +71,14 @@ def test_printed_table_shows_the_same_numbers_as_the_data(ckpt, capsys):
     out = capsys.readouterr().out
     n = table["characters"]
     assert f"characters {n}, top_k {K}, routed {n * K}" in out
+    assert f"MaxVio (busiest over fair share - 1), mean over rows {table['max_vio']:.3f}\n" in out
     blocks = re.split(r"\n(?=row \d+:)", out)[1:]
     assert len(blocks) == ROWS
     for block, row in zip(blocks, table["rows"]):
         head = block.splitlines()[0]
         assert head.startswith(f"row {row['row']}: path {row['path']}, sinks {row['sinks']}, "
                                f"dead {row['dead']}, entropy {row['entropy_bits']:.3f} bits")
+        assert head.endswith(f", max_vio {row['max_vio']:.3f}")
         printed = [tuple(line.split()) for line in block.splitlines()[2:] if line.strip()]
         assert [(int(e), int(load)) for e, load, _, _ in printed] == \
             [(b["expert"], b["load"]) for b in row["busiest"]]
@@ -109,6 +113,7 @@ def test_table_arithmetic_on_known_loads():
     assert (a["sinks"], a["dead"], a["entropy_bits"], a["entropy_fraction"]) == (2, 2, 1.0, 0.5)
     assert a["dropped_fraction"] == 0.25
     assert (b["sinks"], b["dead"], b["entropy_bits"], b["entropy_fraction"]) == (0, 0, 2.0, 1.0)
+    assert (a["max_vio"], b["max_vio"], table["max_vio"]) == (1.0, 0.0, 0.5)  # busiest / fair - 1, then the mean
     assert sink_report.entropy_bits([0, 0]) == 0.0
 
 

@@ -8,7 +8,7 @@
 MFU = model FLOPs per character x characters per second / the bf16 matmul rate (an 8192^3 product
 timed in the same run). Model FLOPs per character (nanoGPT's convention): 6 x the parameters a
 character uses (attention, router, its top_k experts or the dense MLP, the head; not the embedding
-lookup) + 12 x rows x width x context for attention. Recomputation under row checkpointing is not
+lookup; shared experts included) + 12 x rows x width x context for attention. Recomputation under row checkpointing is not
 counted: it is work the model does not need. Per profile and compile setting: char/s and MFU over
 `--steps` steps after `--warmup` (random characters, or with --data batches of a corpus, so that the
 measured steps see the routing that training leaves), host syncs per step (counted by
@@ -53,7 +53,8 @@ def flops_per_char(cfg, vocab: int = VOCAB) -> float:
     if m.mlp == "dense":
         per_row += 3 * m.d_model * cfg.dense_width
     else:
-        per_row += m.d_model * p.n_experts + p.top_k * 3 * m.d_model * p.d_expert
+        # The router, the top_k routed experts and the always-on shared ones (one SwiGLU of their width).
+        per_row += m.d_model * p.n_experts + (p.top_k + p.shared_experts) * 3 * m.d_model * p.d_expert
     params = m.n_rows * per_row + m.d_model * vocab
     return 6 * params + 12 * m.n_rows * m.d_model * m.context
 

@@ -8,7 +8,9 @@ Runs `--batches` held-out batches (the run's own: train.batch_size x model.conte
 drawn with train.seed exactly as the trainer's evaluation draws them) through the model and prints,
 per row: the busiest experts (load, share of characters, ratio to the fair share N*K/E), the sink
 count (experts over the pool's sink_ratio), dead experts, the routing entropy of the load
-distribution, the dropped fraction, the padding ratio and the dispatch path. `--heatmap` writes a
+distribution, the dropped fraction, the padding ratio, the dispatch path and MaxVio (the busiest
+expert's load over the fair share, minus 1: the Loss-Free Balancing paper's measure), with its mean
+over the rows. `--heatmap` writes a
 rows x experts PNG of each expert's share of its row's routed rows (needs matplotlib).
 Exit status: 0 done, 2 bad checkpoint / data / device, or --heatmap without matplotlib.
 """
@@ -27,7 +29,7 @@ from minagi.checkpoint import CheckpointError  # noqa: E402
 from minagi.cli import OneLineParser, non_negative_int, positive_int  # noqa: E402
 from minagi.config import ConfigError  # noqa: E402
 from minagi.data import DataError, heldout_batches, load_corpus  # noqa: E402
-from minagi.diagnostics import RoutingMeter, step_counts  # noqa: E402
+from minagi.diagnostics import RoutingMeter, max_vio, step_counts  # noqa: E402
 from minagi.loading import load_trained  # noqa: E402
 
 MATPLOTLIB_MISSING = "sink_report needs matplotlib for --heatmap: pip install matplotlib"
@@ -43,11 +45,12 @@ def entropy_bits(load: list[int]) -> float:
 def sink_table(diagnostics: list[dict], top_k: int, sink_ratio: float, top: int = 5) -> dict:
     """The report as plain data, from `RoutingMeter.read()` dicts (one per row).
 
-    Returns {"characters", "top_k", "routed", "n_experts", "sink_ratio", "rows": [...]}; each row:
-    row, path, characters, routed, load (all experts), fair_share, busiest (the `top` busiest, 0 =
-    all, each {expert, load, share, ratio}: share = load / characters, ratio = load / fair_share),
-    sinks (experts with ratio > sink_ratio), dead, entropy_bits, entropy_fraction (of log2 E),
-    dropped_fraction, padding_ratio.
+    Returns {"characters", "top_k", "routed", "n_experts", "sink_ratio", "max_vio", "rows": [...]};
+    each row: row, path, characters, routed, load (all experts), fair_share, busiest (the `top`
+    busiest, 0 = all, each {expert, load, share, ratio}: share = load / characters, ratio = load /
+    fair_share), sinks (experts with ratio > sink_ratio), dead, entropy_bits, entropy_fraction (of
+    log2 E), dropped_fraction, padding_ratio, max_vio (max load / fair share - 1). The table's
+    max_vio is the rows' mean (None without rows).
     """
     rows = []
     for d in diagnostics:
@@ -69,10 +72,12 @@ def sink_table(diagnostics: list[dict], top_k: int, sink_ratio: float, top: int 
             "entropy_bits": h,
             "entropy_fraction": h / math.log2(n_experts) if n_experts > 1 else 1.0,
             "dropped_fraction": d["dropped_fraction"], "padding_ratio": d["padding_ratio"],
+            "max_vio": max_vio(load),
         })
     chars = rows[0]["characters"] if rows else 0
     return {"characters": chars, "top_k": top_k, "routed": chars * top_k,
-            "n_experts": len(rows[0]["load"]) if rows else 0, "sink_ratio": sink_ratio, "rows": rows}
+            "n_experts": len(rows[0]["load"]) if rows else 0, "sink_ratio": sink_ratio,
+            "max_vio": sum(r["max_vio"] for r in rows) / len(rows) if rows else None, "rows": rows}
 
 
 @torch.no_grad()
@@ -92,11 +97,14 @@ def format_table(table: dict) -> str:
     lines = [f"characters {table['characters']}, top_k {table['top_k']}, routed {table['routed']}",
              f"experts {e} per row, fair share {table['routed'] / e if e else 0:.1f} routed rows each, "
              f"sink ratio {table['sink_ratio']:g}"]
+    if table["max_vio"] is not None:
+        lines.append(f"MaxVio (busiest over fair share - 1), mean over rows {table['max_vio']:.3f}")
     for r in table["rows"]:
         lines += ["",
                   f"row {r['row']}: path {r['path']}, sinks {r['sinks']}, dead {r['dead']}, "
                   f"entropy {r['entropy_bits']:.3f} bits = {r['entropy_fraction']:.3f} of log2({e}), "
-                  f"dropped {r['dropped_fraction']:.4f}, padding {r['padding_ratio']:.3f}",
+                  f"dropped {r['dropped_fraction']:.4f}, padding {r['padding_ratio']:.3f}, "
+                  f"max_vio {r['max_vio']:.3f}",
                   f"  {'expert':>6} {'load':>10} {'share':>8} {'x fair':>7}"]
         lines += [f"  {b['expert']:>6} {b['load']:>10} {b['share']:>8.2%} {b['ratio']:>7.2f}"
                   for b in r["busiest"]]
