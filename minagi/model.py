@@ -22,7 +22,7 @@ from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
 from .dispatch import resolve_dispatch
 from .experts import StackServices, build_stack, stack_services
-from .mlp import MLPAux, device_compute_dtype
+from .mlp import BalanceArgs, MLPAux, device_compute_dtype
 from .pool import PooledMLP
 from .router import Router
 
@@ -122,16 +122,19 @@ class Row(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.checkpointed = checkpointed
 
-    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool = False
-                ) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool = False,
+                step_counts_E: Tensor | None = None) -> tuple[Tensor, MLPAux]:
+        """`step_counts_E`: the optimizer step's routed rows per expert, for the pool's balance term."""
         if self.checkpointed:
-            return recompute.checkpointed(self._forward, x_BTD, row, cache, dropless)
-        return self._forward(x_BTD, row, cache, dropless)
+            return recompute.checkpointed(self._forward, x_BTD, row, cache, dropless, step_counts_E)
+        return self._forward(x_BTD, row, cache, dropless, step_counts_E)
 
-    def _forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool) -> tuple[Tensor, MLPAux]:
+    def _forward(self, x_BTD: Tensor, row: int, cache: KVCache | None, dropless: bool,
+                 step_counts_E: Tensor | None = None) -> tuple[Tensor, MLPAux]:
         x_BTD = x_BTD + self.resid_drop(self.attn(self.attn_norm(x_BTD), row, cache))
         B, T, D = x_BTD.shape
-        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D), dropless=dropless)
+        y_ND, aux = self.mlp(self.mlp_norm(x_BTD).reshape(B * T, D), dropless=dropless,
+                             balance=BalanceArgs(B, step_counts_E))
         return x_BTD + self.resid_drop(y_ND.view(B, T, D)), aux
 
 
@@ -176,13 +179,15 @@ class CharLM(nn.Module):
             row.mlp.reset_parameters(std=0.02, down_std=residual_std)
 
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None,
-                dropless: bool = False) -> LMOutput:
-        """`dropless`: the pools compute every routed row whatever their capacity (writing)."""
+                dropless: bool = False, step_counts_LE: Tensor | None = None) -> LMOutput:
+        """`dropless`: the pools compute every routed row whatever their capacity (writing).
+        `step_counts_LE`: the optimizer step's routed rows per expert of each pooled row, for the
+        balance term over the whole step (`pool.balance_scope = "step"` with train.accum_steps > 1)."""
         x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []
         for i, row in enumerate(self.rows):
-            x, row_aux = row(x, i, cache, dropless)
+            x, row_aux = row(x, i, cache, dropless, None if step_counts_LE is None else step_counts_LE[i])
             aux = aux + row_aux.loss
             routing.append(row_aux.counts)
         if cache is not None:
@@ -225,8 +230,9 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
                 init_frozen: bool = True, checkpoint_rows: bool = False,
                 count_reducer: Callable[[Tensor], Tensor] | None = None,
-                log: Callable[[str], None] | None = None) -> CharLM:
-    """Build on `device`, resolving dispatch `auto` once for it (`mlp.device_compute_dtype`'s dtype).
+                log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> CharLM:
+    """Build on `device`, resolving dispatch `auto` once for it and the compute dtype `dtype` (None:
+    `mlp.device_compute_dtype`'s; a run's is its train.precision).
 
     `compiled`: the model will run under torch.compile (some paths do not trace there).
     `experts`: with `frozen`, the pools hold frozen stacks (minagi/frozen.py), made on `device`
@@ -235,7 +241,7 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
     """
     device = torch.device(device)
-    path = resolve_dispatch(pool.dispatch, device, device_compute_dtype(device), compiled)
+    path = resolve_dispatch(pool.dispatch, device, dtype or device_compute_dtype(device), compiled)
     stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log)
     model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
                    count_reducer=count_reducer).to(device)
