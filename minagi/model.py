@@ -182,7 +182,8 @@ class CharLM(nn.Module):
                 dropless: bool = False, step_counts_LE: Tensor | None = None) -> LMOutput:
         """`dropless`: the pools compute every routed row whatever their capacity (writing).
         `step_counts_LE`: the optimizer step's routed rows per expert of each pooled row, for the
-        balance term over the whole step (`pool.balance_scope = "step"` with train.accum_steps > 1)."""
+        balance term over the whole step (`pool.balance_scope = "step"` with train.accum_steps > 1); row i
+        takes row i's (a model's rows are all pooled or all dense)."""
         x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []

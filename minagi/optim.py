@@ -2,17 +2,18 @@
 two moments are held in bf16 (`AdamWBF16`, `train.optimizer_states = "bf16"`).
 
 Bytes per trainable weight (fp32 weights): fp32 moments 4 (weight) + 8 (moments) = 12 between steps,
-16 with the gradient during a step; bf16 moments 4 + 4 = 8, and 12 (docs/benchmarks.md §8).
+16 with the gradient during a step; bf16 moments 4 + 4 = 8, and 12 (docs/benchmarks.md §13).
 
 `AdamWBF16` computes each update in fp32 from the stored moments and writes them back with stochastic
 rounding (the fp32 value rounded up or down at random, with the chance that keeps its mean: torchao's
 `bf16_stochastic_round`, Gupta et al. 2015). Rounded to nearest, a second moment decaying by beta2 =
 0.999 a step would stall: 0.1% is below bf16's resolution (2^-8). The random bits come from a generator
-seeded by (the group's seed, the step), so a resume draws what the uninterrupted run drew, whatever
-else used the global generators. The arithmetic is torch's `_foreach` ops over each device's tensors
-(one kernel per op, not per tensor), in chunks of at most CHUNK weights (a larger tensor alone): the
-update's fp32 copies of the moments then cost at most 12 bytes x CHUNK at a time, not 12 bytes a weight
-(which would make the optimizer's step the run's peak on a small card).
+seeded by (the group's seed, the step, the group and the chunk), so a resume draws what the uninterrupted
+run drew, whatever else used the global generators. The arithmetic is torch's `_foreach` ops over each device's tensors
+(one kernel per op, not per tensor) on views of one flat fp32 buffer per moment, rounded back at once,
+in chunks of at most CHUNK weights (a larger tensor alone): the update's temporaries (the two fp32
+moments, the denominator, the rounding's bits and result: ~20 bytes a weight) then cost at most
+20 x CHUNK bytes at a time, not 20 bytes a weight (which would make the update the peak of a small card).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from torch import Tensor
 __all__ = ["AdamWBF16", "build_optimizer", "state_bytes"]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
-CHUNK = 1 << 25  # weights updated together: fp32 temporaries of at most 12 x 32M bytes = 384 MiB
+CHUNK = 1 << 24  # weights updated together: temporaries of at most ~20 x 16M bytes = 320 MiB
+UPDATE_TEMP = 20  # bytes a weight of a chunk the update holds at once: 2 x 4 fp32 moments, 4 denominator
+#                   (freed before rounding) or 2 + 9 rounding (bf16 result, int32 bits, mask, where's copy)
 
 
 def build_optimizer(param_groups: list[dict], *, lr: float, betas: tuple[float, float], states: str,
@@ -53,9 +56,10 @@ def stochastic_round_(dest_bf16: Tensor, value_fp32: Tensor, generator: torch.Ge
     """dest = value rounded to bf16 up or down at random, E[dest] = value: random bits below bf16's 16
     kept bits are added to the fp32 pattern, which is then cut to its top 16 bits (inf and NaN stay)."""
     bits = value_fp32.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, value_fp32.shape, dtype=torch.int32, device=value_fp32.device,
-                          generator=generator)
-    rounded = torch.where(torch.isfinite(value_fp32), (bits + noise) & -65536, bits)  # -65536 = 0xFFFF0000
+    rounded = torch.randint(0, 1 << 16, value_fp32.shape, dtype=torch.int32, device=value_fp32.device,
+                            generator=generator)
+    rounded.add_(bits).bitwise_and_(-65536)  # in place: -65536 = 0xFFFF0000
+    rounded = torch.where(torch.isfinite(value_fp32), rounded, bits)
     dest_bf16.copy_(rounded.view(torch.float32))  # exact: the low 16 bits are zero (NaN keeps its NaN)
 
 
@@ -97,17 +101,19 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
     def _update(self, group: dict, params: list[Tensor], generator: torch.Generator, where: tuple[int, int]) -> None:
-        """One AdamW step of `params` (one device), the moments read from and written back to bf16;
-        the rounding's bits seeded by (the group's seed, the step, `where`: group and chunk)."""
+        """One AdamW step of `params` (one device, one chunk): the moments read into one flat fp32 buffer
+        each, updated there (foreach over views of it), rounded back to bf16 at once, copied home; the
+        rounding's bits seeded by (the group's seed, the step, `where`: group and chunk)."""
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         states = [self._state(p) for p in params]
         for s in states:
             s["step"] += 1
         step = int(states[0]["step"])  # a group's parameters step together
+        sizes = [p.numel() for p in params]
         grads = [p.grad.float() for p in params]
-        exp_avg = [s["exp_avg"].float() for s in states]
-        exp_avg_sq = [s["exp_avg_sq"].float() for s in states]
+        flat = {key: torch.cat([s[key].view(-1) for s in states]).float() for key in _STATE_KEYS}
+        exp_avg, exp_avg_sq = ([t.view_as(p) for t, p in zip(flat[key].split(sizes), params)] for key in _STATE_KEYS)
         torch._foreach_lerp_(exp_avg, grads, 1 - beta1)  # m = beta1 m + (1 - beta1) g
         torch._foreach_mul_(exp_avg_sq, beta2)
         torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)  # v = beta2 v + (1 - beta2) g^2
@@ -118,11 +124,13 @@ class AdamWBF16(torch.optim.Optimizer):
         torch._foreach_div_(denom, correction2 ** 0.5)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avg, denom, -lr / correction1)
+        del denom
         g, c = where
         generator.manual_seed((((group["seed"] * 1_000_003 + step) * 1_009 + g) * 65_537 + c) % 2**63)
-        for s, m, v in zip(states, exp_avg, exp_avg_sq):
-            stochastic_round_(s["exp_avg"], m, generator)
-            stochastic_round_(s["exp_avg_sq"], v, generator)
+        for key in _STATE_KEYS:
+            rounded = torch.empty(flat[key].shape, dtype=torch.bfloat16, device=flat[key].device)
+            stochastic_round_(rounded, flat[key], generator)
+            torch._foreach_copy_([s[key] for s in states], [t.view_as(p) for t, p in zip(rounded.split(sizes), params)])
 
     def _state(self, p: Tensor) -> dict:
         state = self.state[p]

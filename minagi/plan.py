@@ -445,11 +445,11 @@ def _pins(cfg: Config, s: _Shape) -> tuple[bool, bool]:
 
 def _optimizer_transient(cfg: Config, s: _Shape, counts: dict[str, int], target: Target) -> int:
     """The update's temporaries: none for fused AdamW (CUDA); torch's per-tensor loop (CPU) one fp32
-    tensor of the largest; minagi's bf16 AdamW fp32 moments of a chunk and the rounding's bits."""
+    tensor of the largest; minagi's bf16 AdamW a chunk's fp32 moments, denominator and rounding."""
     largest = s.E * s.D * 2 * s.F if s.pooled and not s.frozen else 4 * s.D * s.D
     if cfg.train.optimizer_states == "bf16":
-        from .optim import CHUNK
-        return 12 * max(largest, min(CHUNK, counts["trainable"])) + 12 * largest
+        from .optim import CHUNK, UPDATE_TEMP
+        return UPDATE_TEMP * max(largest, min(CHUNK, counts["trainable"]))
     return 0 if target.gpu else 4 * largest
 
 
