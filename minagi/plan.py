@@ -592,7 +592,8 @@ def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: in
     lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}, vocabulary of "
                             f"{vocab_size} assumed)")]
     cap = cfg.memory.gpu_cap_gib * GiB if cfg.memory.gpu_cap_gib > 0 else None
-    room = min(x for x in (cap, total if chosen is here else None) if x is not None) if (cap or total) else None
+    limits = [x for x in (cap, total if chosen is here else None) if x is not None]
+    room = min(limits) if limits else None
     if room is not None and chosen.gpu:
         verdict = "fits" if plan.peak_reserved <= room else "does NOT fit"
         what = "memory.gpu_cap_gib" if cap is not None and room == cap else "this GPU's memory"

@@ -44,6 +44,18 @@ def test_train_py_plan_prints_the_parts_and_exits_0_building_nothing(monkeypatch
     assert "planned for cpu (this machine)" in capsys.readouterr().out
 
 
+def test_on_a_gpu_the_plan_says_whether_it_fits_the_card_or_its_cap(monkeypatch):
+    from minagi import plan as plan_module
+    monkeypatch.setattr(plan_module, "local_target", lambda: (TARGETS["sm90"], 24 * 2 ** 30))  # a 24 GiB card
+    assert "does NOT fit: peak reserved" in plan_module.plan_report(load_config("h200"), "h200")
+    assert "fits: peak reserved" in plan_module.plan_report(load_config("strix_large"), "strix_large")
+    capped = plan_module.plan_report(load_config("h200_offload"), "h200_offload", "sm90")
+    assert "(memory.gpu_cap_gib)" in capped and "planned for sm90 (this machine)" in capped
+    other = plan_module.plan_report(load_config("h200"), "h200", "rocm")  # another kind: no verdict for this card
+    assert not any(line.startswith(("fits:", "does NOT fit:")) for line in other.splitlines())
+    assert "planned for rocm;" in other
+
+
 def test_the_plan_says_what_each_setting_saves():
     h200 = load_config("h200")
     base = plan_memory(h200)
