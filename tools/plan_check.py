@@ -34,6 +34,7 @@ def measure(profile: str, steps: int, sets: list[str]) -> dict:
     from minagi.trainer import build_training, train_step
 
     cfg = load_config(profile, [f"train.steps={steps + 10}", "train.warmup_steps=1", *sets])
+    devices.apply_alloc_conf(cfg.memory.alloc_conf)  # before anything starts CUDA (local_target asks it)
     target, _ = local_target()
     plan = plan_memory(cfg, target, vocab_size=VOCAB)
     out = {"profile": profile, "target": target.name, "plan_allocated": plan.peak_allocated,
@@ -41,7 +42,6 @@ def measure(profile: str, steps: int, sets: list[str]) -> dict:
            "plan_parts": {p.name: p.bytes for p in plan.parts}}
     if not torch.cuda.is_available():
         return out
-    devices.apply_alloc_conf(cfg.memory.alloc_conf)  # before the first CUDA allocation
     device = torch.device("cuda", 0)
     devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3,
                     help="training steps a profile (the peak is over all but the first)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds a profile may take")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds a profile may take (its build included)")
     ap.add_argument("--json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: one profile, its result as a JSON line
     args = ap.parse_args(argv)
