@@ -5,6 +5,7 @@
     python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
     python train.py --nproc-per-node 8 --profile h200 ...     # the same 8 ranks, launched by train.py
+    python train.py --profile strix_large --plan              # will it fit? the predicted peak by part, then exit
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
 The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
@@ -29,6 +30,7 @@ from minagi.cli import OneLineParser, positive_int
 from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 MINAGI_DIR = Path(__file__).resolve().parent / "minagi"
+PLAN_TARGETS = ("sm90", "sm80", "sm75", "rocm", "cpu")  # minagi.plan.TARGETS (not imported here: no torch yet)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,6 +45,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
     p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary "
                                                   "(its expert stacks quantized when the profile freezes them)")
+    p.add_argument("--plan", nargs="?", const="auto", choices=["auto", *PLAN_TARGETS], metavar="TARGET",
+                   help="print the predicted memory peak of the settings by part (weights, gradients, optimizer "
+                        "states, activations, ...) and exit, building nothing; TARGET: the kind of device "
+                        f"({', '.join(PLAN_TARGETS)}; default: this machine's)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=positive_int, metavar="N",
                    help="train on N processes of this machine (DDP), launched as torchrun --standalone does: "
                         "the settings are checked for N ranks before any starts, and an error is one line "
@@ -189,7 +195,13 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         cfg, profile = resolve(args)
         from minagi.trainer import NonFiniteLossError, check_world_size, train
         # With --nproc-per-node, for its N ranks before any of them starts (and imports torch).
-        check_world_size(cfg, args.nproc_per_node if launching else ranks.world_size)
+        world_size = args.nproc_per_node if launching else ranks.world_size
+        check_world_size(cfg, world_size)
+        if args.plan:
+            from minagi.plan import plan_report
+            if ranks.is_main:
+                print(plan_report(cfg, profile, args.plan, world_size=world_size))
+            return 0
         if launching:
             os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its 6-line notice
             return distributed.launch_local(args.nproc_per_node, str(Path(__file__).resolve()), argv)
@@ -215,9 +227,11 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         _report(e, ranks, joined)
         return 2
     except torch.OutOfMemoryError as e:
-        _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); lower "
-                             "train.batch_size or model.context, or turn on train.checkpoint_rows, or keep "
-                             "frozen experts on the CPU with experts.offload = \"cpu\""), ranks, joined)
+        _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); --plan shows where "
+                             "the memory goes: lower train.batch_size (raise train.accum_steps to keep the step) "
+                             "or model.context, or turn on train.checkpoint_rows, or train.optimizer_states = "
+                             "\"bf16\", or keep frozen experts on the CPU with experts.offload = \"cpu\""),
+                ranks, joined)
         return 4
     if result.interrupted:
         return 130

@@ -4,7 +4,8 @@ keeps the training state, the step, the evaluation and the loop.
 
 The model is built whole (`model.build_model`): row checkpointing, the replay pin, the offload
 stager and DDP's count reducers are part of it from its construction; only DDP and torch.compile
-wrap its training forward here.
+wrap its training forward here. The optimizer is `optim.build_optimizer`'s (train.optimizer_states),
+the compute dtype train.precision's (`mlp.precision_dtype`), with torch's GradScaler for fp16.
 """
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
 from .config import Config, ConfigError
 from .frozen import frozen_stacks
 from .loading import load_weights
+from .mlp import precision_dtype
 from .model import CharLM, build_model
 from .offload import OffloadStager
+from .optim import build_optimizer
 from .schedule import Schedule, as_function
 
-__all__ = ["Training", "build_training", "check_world_size", "restore_training"]
+__all__ = ["INIT_LOSS_SCALE", "Training", "build_training", "check_world_size", "restore_training"]
+
+INIT_LOSS_SCALE = 2.0 ** 16  # fp16's first loss scale (torch's default); GradScaler finds its level from there
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -47,6 +52,11 @@ class Training:
     params: list[Tensor]
     dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
     stager: OffloadStager | None = None  # experts.offload = "cpu"
+    accum_steps: int = 1                 # micro-batches per optimizer step (train.accum_steps)
+    dtype: torch.dtype = torch.float32   # what autocast computes in (train.precision)
+    scaler: torch.amp.GradScaler | None = None  # fp16: the loss scale
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None  # under `forward`, for no_sync
+    balance_prepass: bool = False        # the balance term over the whole step needs its counts first
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (a Ctrl-C in between waits for that: minagi.trainer).
     updating: bool = False
@@ -59,25 +69,31 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     devices.check_compiler(tc.compile, device)
+    dtype = precision_dtype(tc.precision, device)
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width,
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
-                        compiled_regions=tc.compile == "rows", log=log)
-    optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
-                                  betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
+                        compiled_regions=tc.compile == "rows", log=log, dtype=dtype)
+    optimizer = build_optimizer(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
+                                betas=(tc.beta1, tc.beta2), states=tc.optimizer_states, device=device, seed=tc.seed)
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
-    forward = model
+    ddp = None
     if world_size > 1:
         # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
         frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
-        forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
+        ddp = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
+    forward = ddp if ddp is not None else model
     forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile is True else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
-    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager)
+    scaler = torch.amp.GradScaler(device.type, init_scale=INIT_LOSS_SCALE) if dtype == torch.float16 else None
+    prepass = (tc.accum_steps > 1 and cfg.model.mlp == "pooled" and cfg.pool.balance_coef > 0
+               and cfg.pool.balance_scope == "step")
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager,
+                    accum_steps=tc.accum_steps, dtype=dtype, scaler=scaler, ddp=ddp, balance_prepass=prepass)
 
 
 def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
@@ -88,6 +104,8 @@ def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
     try:
         training.optimizer.load_state_dict(ckpt.optimizer)
         training.scheduler.load_state_dict(ckpt.scheduler)
+        if training.scaler is not None and ckpt.scaler is not None:
+            training.scaler.load_state_dict(ckpt.scaler)
     except (KeyError, ValueError) as e:  # torch's own words, e.g. a parameter group of another size
         raise CheckpointError(f"{source}: the optimizer state does not fit the model ({e})") from None
     planned, step = ckpt.schedule, ckpt.step

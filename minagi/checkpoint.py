@@ -225,6 +225,7 @@ class Meter:
     wall_s: float = 0.0
     eval_due: bool = False         # the evaluation of `step` is still to run
     evals_since_best: int = 0      # format 1 had no early stop...
+    skipped: int = 0               # fp16: steps whose update an overflow skipped (older checkpoints: none)
     routing: dict = field(default_factory=dict)  # ... and no routing counters (`RoutingMeter.state_dict()`)
 
     def to_dict(self) -> dict:
@@ -253,6 +254,7 @@ class Checkpoint:
     meter: Meter | None = None
     schedule: Schedule | None = None   # the learning rate the run goes on with (an extension bends it)
     record: dict | None = None         # the history record of the evaluation that wrote it
+    scaler: dict | None = None         # fp16 runs: torch's GradScaler state (the loss scale)
     source: str = ""                   # the file it was read from, for messages (not saved)
 
     @classmethod
@@ -290,7 +292,7 @@ class Checkpoint:
                    "best_heldout_loss": self.best_heldout_loss, "run_name": self.run_name,
                    "meter": self.meter.to_dict() if self.meter is not None else None,
                    "schedule": dataclasses.asdict(self.schedule) if self.schedule is not None else None,
-                   "record": self.record}
+                   "record": self.record, "scaler": self.scaler}
         return {key: value for key, value in payload.items() if value is not None}
 
     def check_trains(self) -> None:
@@ -303,7 +305,7 @@ class Checkpoint:
 
 def _training_fields(payload: dict, config: Config) -> dict:
     """The fields of `Checkpoint` beyond the model's, with format 1's gaps filled."""
-    fields = {key: payload[key] for key in ("optimizer", "scheduler", "rng", "step", "run_name", "record")
+    fields = {key: payload[key] for key in ("optimizer", "scheduler", "rng", "step", "run_name", "record", "scaler")
               if key in payload}
     if "best_heldout_loss" in payload:
         fields["best_heldout_loss"] = float(payload["best_heldout_loss"])

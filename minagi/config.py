@@ -229,6 +229,10 @@ class PoolConfig(_Section):
     sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
     swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
     expert_dropout: float = 0.0  # training: each chosen expert's output dropped with this chance (gates rescaled)
+    # The balance term's f.P over: the whole optimizer step (all micro-batches and ranks), each
+    # micro-batch (one forward, all ranks), or each sequence (then averaged). Equal with accum_steps 1
+    # but for "sequence".
+    balance_scope: Literal["step", "batch", "sequence"] = "step"
 
     def _validate(self) -> None:
         self._at_least(1, "n_experts", "top_k", "d_expert")
@@ -282,7 +286,8 @@ class TrainConfig(_Section):
     section: ClassVar[str] = "train"
 
     steps: int = 300
-    batch_size: int = 16  # GLOBAL batch (sequences per optimizer step, all ranks together)
+    batch_size: int = 16  # GLOBAL batch of one forward (sequences, all ranks together)
+    accum_steps: int = 1  # micro-batches of batch_size per optimizer step: a step is accum_steps x batch_size
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     warmup_steps: int = 30
@@ -301,12 +306,16 @@ class TrainConfig(_Section):
     compile: bool | Literal["rows"] = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"  # torch.compile's
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
+    # Autocast's dtype: auto = bf16 where the device has it natively, else fp32; fp16 scales the loss
+    # (torch's GradScaler) and skips a step whose gradients overflow.
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"  # AdamW's two moments (bf16: minagi/optim.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
     run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
 
     def _validate(self) -> None:
-        self._at_least(1, "steps", "batch_size", "eval_every", "eval_batches")
+        self._at_least(1, "steps", "batch_size", "accum_steps", "eval_every", "eval_batches")
         self._positive("lr")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be between 0 and 1")

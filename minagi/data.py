@@ -522,11 +522,13 @@ _TRAIN_STREAM, _HELDOUT_STREAM = 0, 1   # keeps training and held-out windows in
 
 
 def _windows(ids: np.ndarray, batch_size: int, context: int, entropy: list[int], rank: int,
-             world_size: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+             world_size: int, split: str, accum_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is outside world_size {world_size}")
     if batch_size < 1 or batch_size % world_size:
         raise DataError(f"batch_size {batch_size} is not a positive multiple of world_size {world_size}")
+    if accum_steps < 1:
+        raise DataError(f"accum_steps must be positive, got {accum_steps}")
     if context < 1:
         raise DataError(f"context must be positive, got {context}")
     if len(ids) < context + 1:
@@ -534,29 +536,34 @@ def _windows(ids: np.ndarray, batch_size: int, context: int, entropy: list[int],
     if any(e < 0 for e in entropy):
         raise DataError(f"seed and step must be non-negative, got {entropy[:2]}")
     rng = np.random.default_rng(entropy)
-    starts_B = rng.integers(0, len(ids) - context, size=batch_size)   # whole global batch, every rank
+    # The whole step's starts, every rank: accum_steps micro-batches of batch_size, in order.
+    starts_MB = rng.integers(0, len(ids) - context, size=accum_steps * batch_size).reshape(accum_steps, batch_size)
     b = batch_size // world_size
-    starts_b = starts_B[rank * b:(rank + 1) * b]
-    rows = np.asarray(ids[starts_b[:, None] + np.arange(context + 1)], dtype=np.int64)  # [b, T+1]
+    starts_b = starts_MB[:, rank * b:(rank + 1) * b].reshape(-1)  # this rank's rows of each micro-batch
+    rows = np.asarray(ids[starts_b[:, None] + np.arange(context + 1)], dtype=np.int64)  # [accum_steps * b, T+1]
     rows_t = torch.from_numpy(rows)
-    return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()    # x, y: [b, T]
+    return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()    # x, y: [accum_steps * b, T]
 
 
 def get_batch(ids: np.ndarray, batch_size: int, context: int, seed: int, step: int,
-              rank: int = 0, world_size: int = 1, *, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch for (seed, step): x, y int64 [batch_size // world_size, context].
+              rank: int = 0, world_size: int = 1, accum_steps: int = 1, *,
+              split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the step's batch for (seed, step): x, y int64 [accum_steps * b, context],
+    b = batch_size // world_size, micro-batch after micro-batch (`x.chunk(accum_steps)`).
 
-    The global batch's window starts come from a numpy Generator seeded by (seed, step), so any rank
-    count sees the same global batch and rank r takes rows [r*b, (r+1)*b). `split` names the ids in errors.
+    The step's window starts (accum_steps x batch_size of them) come from a numpy Generator seeded by
+    (seed, step), so any rank count sees the same step and rank r takes rows [r*b, (r+1)*b) of each
+    micro-batch; and batch_size B with accum_steps M draws the sequences of batch_size M*B with 1, in
+    the same order. `split` names the ids in errors.
     """
-    return _windows(ids, batch_size, context, [seed, step, _TRAIN_STREAM], rank, world_size, split)
+    return _windows(ids, batch_size, context, [seed, step, _TRAIN_STREAM], rank, world_size, split, accum_steps)
 
 
 def batch_on(device: torch.device, ids: np.ndarray, batch_size: int, context: int, seed: int, step: int,
-             rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+             rank: int = 0, world_size: int = 1, accum_steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_batch`'s x, y on `device`, their copies queued: pinned first on CUDA, so the copy waits for
     nothing queued before it (a copy from pageable memory would)."""
-    x, y = get_batch(ids, batch_size, context, seed, step, rank, world_size)
+    x, y = get_batch(ids, batch_size, context, seed, step, rank, world_size, accum_steps)
     if device.type == "cuda":
         x, y = x.pin_memory(), y.pin_memory()
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)

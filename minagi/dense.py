@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .mlp import MLPAux, compute_dtype
+from .mlp import BalanceArgs, MLPAux, compute_dtype
 
 __all__ = ["DenseMLP", "dense_swiglu"]
 
@@ -26,8 +26,8 @@ def dense_swiglu(x_ND: Tensor, gate_up_DH2: Tensor, down_HD: Tensor) -> Tensor:
 
 
 class DenseMLP(nn.Module):
-    """`forward(x_ND, dropless=False) -> (y_ND, MLPAux)` with no aux loss and no routing counts (it
-    drops nothing, so `dropless` changes nothing)."""
+    """`forward(x_ND, dropless=False, balance=...) -> (y_ND, MLPAux)` with no aux loss and no routing
+    counts (it drops nothing and balances nothing, so `dropless` and `balance` change nothing)."""
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
@@ -39,7 +39,8 @@ class DenseMLP(nn.Module):
         nn.init.normal_(self.gate_up, std=std)
         nn.init.normal_(self.down, std=std if down_std is None else down_std)
 
-    def forward(self, x_ND: Tensor, dropless: bool = False) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_ND: Tensor, dropless: bool = False, balance: BalanceArgs | None = None
+                ) -> tuple[Tensor, MLPAux]:
         dtype = compute_dtype(x_ND)
         y_ND = dense_swiglu(x_ND.to(dtype), self.gate_up.to(dtype), self.down.to(dtype))
         return y_ND.to(x_ND.dtype), MLPAux(x_ND.new_zeros((), dtype=torch.float32), None)

@@ -119,9 +119,10 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast to the compute dtype (`mlp.device_compute_dtype`: bf16 on the GPU); plain fp32 on the CPU."""
-    dtype = device_compute_dtype(device)
+def autocast(device: torch.device, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` (a run's `train.precision`, `mlp.precision_dtype`), by default the device's
+    compute dtype (`mlp.device_compute_dtype`: bf16 on the GPU); fp32 is plain, no autocast."""
+    dtype = device_compute_dtype(device) if dtype is None else dtype
     if dtype != torch.float32:
         return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()

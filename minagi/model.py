@@ -23,7 +23,7 @@ from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
 from .dispatch import resolve_dispatch
 from .experts import StackServices, build_stack, stack_services
-from .mlp import MLPAux, device_compute_dtype
+from .mlp import BalanceArgs, MLPAux, device_compute_dtype
 from .pool import PooledMLP
 from .router import Router
 
@@ -80,17 +80,22 @@ class Row(nn.Module):
         self._compiled_mlp = (torch.compile(self.mlp.forward, dynamic=False)  # the method: no module registered
                               if compiled_regions and isinstance(self.mlp, DenseMLP) else None)
 
-    def forward(self, x_BTD: Tensor, dropless: bool = False) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_BTD: Tensor, dropless: bool = False, step_counts_E: Tensor | None = None
+                ) -> tuple[Tensor, MLPAux]:
+        """`step_counts_E`: the optimizer step's routed rows per expert, for the pool's balance term."""
         if self.checkpointed:
-            return recompute.checkpointed(self._forward, x_BTD, dropless)
-        return self._forward(x_BTD, dropless)
+            return recompute.checkpointed(self._forward, x_BTD, dropless, step_counts_E)
+        return self._forward(x_BTD, dropless, step_counts_E)
 
-    def _forward(self, x_BTD: Tensor, dropless: bool) -> tuple[Tensor, MLPAux]:
+    def _forward(self, x_BTD: Tensor, dropless: bool, step_counts_E: Tensor | None = None) -> tuple[Tensor, MLPAux]:
         """rowmath's row on this row's weights (the decoder runs the same functions on its copies)."""
         compiled = self._compiled_half is not None and torch.is_grad_enabled()
         x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
-        mlp = self._compiled_mlp if compiled and self._compiled_mlp is not None else self.mlp
-        y_ND, aux = mlp(mlp_in_ND, dropless=dropless)
+        if isinstance(self.mlp, DenseMLP):
+            mlp = self._compiled_mlp if compiled and self._compiled_mlp is not None else self.mlp
+            y_ND, aux = mlp(mlp_in_ND, dropless=dropless)
+        else:
+            y_ND, aux = self.mlp(mlp_in_ND, dropless=dropless, balance=BalanceArgs(x_BTD.shape[0], step_counts_E))
         return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
 
     def _attention_half(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
@@ -146,13 +151,17 @@ class CharLM(nn.Module):
             nn.init.normal_(row.attn.proj.weight, std=residual_std)
             row.mlp.reset_parameters(std=0.02, down_std=residual_std)
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, dropless: bool = False) -> LMOutput:
-        """`dropless`: the pools compute every routed row whatever their capacity (writing)."""
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, dropless: bool = False,
+                step_counts_LE: Tensor | None = None) -> LMOutput:
+        """`dropless`: the pools compute every routed row whatever their capacity (writing).
+        `step_counts_LE`: the optimizer step's routed rows per expert of each pooled row, for the
+        balance term over the whole step (`pool.balance_scope = "step"` with train.accum_steps > 1); row i
+        takes row i's (a model's rows are all pooled or all dense)."""
         x = self.embed_drop(self.embed(idx_BT))
         aux = x.new_zeros((), dtype=torch.float32)
         routing = []
-        for row in self.rows:
-            x, row_aux = row(x, dropless)
+        for i, row in enumerate(self.rows):
+            x, row_aux = row(x, dropless, None if step_counts_LE is None else step_counts_LE[i])
             aux = aux + row_aux.loss
             routing.append(row_aux.counts)
         logits = rowmath.head(x, self.final_norm.weight, self.final_norm.eps, self.head.weight)
@@ -190,8 +199,9 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
                 init_frozen: bool = True, checkpoint_rows: bool = False,
                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False,
-                log: Callable[[str], None] | None = None) -> CharLM:
-    """Build on `device`, resolving dispatch `auto` once for it (`mlp.device_compute_dtype`'s dtype).
+                log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> CharLM:
+    """Build on `device`, resolving dispatch `auto` once for it and the compute dtype `dtype` (None:
+    `mlp.device_compute_dtype`'s; a run's is its train.precision).
 
     `compiled`: the model will run under torch.compile (some paths do not trace there).
     `experts`: with `frozen`, the pools hold frozen stacks (minagi/frozen.py), made on `device`
@@ -201,7 +211,7 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     `compiled_regions`: the rows' attention halves (and dense MLPs) through torch.compile, dispatch eager.
     """
     device = torch.device(device)
-    path = resolve_dispatch(pool.dispatch, device, device_compute_dtype(device), compiled)
+    path = resolve_dispatch(pool.dispatch, device, dtype or device_compute_dtype(device), compiled)
     stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log)
     model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
                    count_reducer=count_reducer, compiled_regions=compiled_regions).to(device)

@@ -28,8 +28,8 @@ from .config import PoolConfig
 from .dense import DenseMLP
 from .dispatch import RUNNERS, host_layout, make_plan
 from .experts import ExpertStack
-from .mlp import MLPAux, RouteCounts, compute_dtype
-from .router import Router, balance_loss, routed_counts, z_loss
+from .mlp import BalanceArgs, MLPAux, RouteCounts, compute_dtype
+from .router import Router, balance_loss, routed_counts, sequence_balance_loss, z_loss
 
 __all__ = ["PooledMLP"]
 
@@ -86,10 +86,12 @@ class PooledMLP(nn.Module):
             return 0
         return math.ceil(self.cfg.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts)
 
-    def forward(self, x_ND: Tensor, dropless: bool = False, in_place: bool = False) -> tuple[Tensor, MLPAux]:
+    def forward(self, x_ND: Tensor, dropless: bool = False, in_place: bool = False,
+                balance: BalanceArgs = BalanceArgs()) -> tuple[Tensor, MLPAux]:
         """`dropless`: compute every routed row whatever the capacity (writing: a character's output
         must not depend on which others share the call). `in_place`: offloaded frozen stacks read the
-        experts this call multiplies from their pinned homes instead of staging the row (writing)."""
+        experts this call multiplies from their pinned homes instead of staging the row (writing).
+        `balance`: what the balance term's scope needs (`balance_term`)."""
         routing = self.router(x_ND)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
@@ -98,21 +100,33 @@ class PooledMLP(nn.Module):
                                             in_place=in_place)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)[0]
-        return y_ND, MLPAux(self.aux_loss(routing), counts)
+        return y_ND, MLPAux(self.aux_loss(routing, balance), counts)
 
     def decoder(self, options: decode_step.StepOptions):
         """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""
         return decode_step.pooled_steps(self, options)
 
-    def aux_loss(self, routing) -> Tensor:
+    def aux_loss(self, routing, balance: BalanceArgs = BalanceArgs()) -> Tensor:
         aux = routing.logits_NE.new_zeros(())
         if self.cfg.balance_coef > 0:
-            # Counted once per forward: a replay takes the forward's counts (and its reduction over ranks).
-            counts_E = recompute.remember((self, "balance_counts"), lambda: self._balance_counts(routing))
-            aux = aux + self.cfg.balance_coef * balance_loss(routing, counts_E)
+            aux = aux + self.cfg.balance_coef * self.balance_term(routing, balance)
         if self.cfg.z_loss_coef > 0:
             aux = aux + self.cfg.z_loss_coef * z_loss(routing)
         return aux
+
+    def balance_term(self, routing, balance: BalanceArgs = BalanceArgs()) -> Tensor:
+        """The unweighted Switch term over `pool.balance_scope`: "sequence", each of the call's
+        `balance.sequences` sequences' own; "step" with the step's counts given (accumulation: the
+        trainer's routing pre-pass), f from them and P from this call; else this call's counts,
+        summed over ranks (the micro-batch: "batch", and "step" without accumulation)."""
+        scope = self.cfg.balance_scope
+        if scope == "sequence":
+            return sequence_balance_loss(routing, balance.sequences)
+        if scope == "step" and balance.step_counts_E is not None:
+            return balance_loss(routing, balance.step_counts_E)
+        # Counted once per forward: a replay takes the forward's counts (and its reduction over ranks).
+        counts_E = recompute.remember((self, "balance_counts"), lambda: self._balance_counts(routing))
+        return balance_loss(routing, counts_E)
 
     def _balance_counts(self, routing) -> Tensor:
         counts_E = routed_counts(routing.expert_ids_NK, self.cfg.n_experts)

@@ -29,7 +29,7 @@ from torch import Tensor
 from . import recompute
 
 __all__ = ["Router", "Routing", "balance_loss", "balance_probs", "choose_experts", "chosen_gates", "expert_scores",
-           "route", "routed_counts", "z_loss"]
+           "route", "routed_counts", "sequence_balance_loss", "z_loss"]
 
 
 class Routing(NamedTuple):
@@ -139,6 +139,23 @@ def balance_loss(routing: Routing, counts_E: Tensor) -> Tensor:
         return routing.probs_NE.new_zeros(())
     f_E = counts_E / counts_E.sum().clamp(min=1)
     return n_experts * (f_E * routing.probs_NE.mean(0)).sum()
+
+
+def sequence_balance_loss(routing: Routing, sequences: int) -> Tensor:
+    """The mean over `sequences` equal runs of the call's characters of `E * sum_i f_i * P_i`, f and P
+    each sequence's own (`pool.balance_scope = "sequence"`): a sequence must spread its own characters,
+    not only the batch. Needs no counts from other ranks."""
+    n_chars, n_experts = routing.probs_NE.shape
+    if n_chars == 0:
+        return routing.probs_NE.new_zeros(())
+    if n_chars % sequences:
+        raise ValueError(f"{n_chars} characters do not split into {sequences} sequences of equal length")
+    ids_SJ = routing.expert_ids_NK.reshape(sequences, -1)  # [S, T*K]: each sequence's routed rows
+    counts_SE = routing.probs_NE.new_zeros(sequences, n_experts).scatter_add_(1, ids_SJ, torch.ones(
+        ids_SJ.shape, device=ids_SJ.device))
+    f_SE = counts_SE / ids_SJ.shape[1]
+    p_SE = routing.probs_NE.view(sequences, -1, n_experts).mean(1)
+    return n_experts * (f_SE * p_SE).sum(1).mean()
 
 
 def z_loss(routing: Routing) -> Tensor:

@@ -37,10 +37,10 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 # dequants) cover the steps that this process trained since then: after a resume, since the resume.
 HISTORY_FIELDS = (
     "step",               # optimizer steps done
-    "chars_seen",         # step * batch_size * context, all ranks together
+    "chars_seen",         # step * accum_steps * batch_size * context, all ranks together
     "train_loss",         # mean cross-entropy (nats) over the steps since the previous record
     "aux_loss",           # mean router auxiliary loss over the same steps (already weighted)
-    "grad_norm",          # mean gradient norm (before clipping) over the same steps
+    "grad_norm",          # mean gradient norm (before clipping) over the same steps (skipped ones left out)
     "heldout_loss",       # mean cross-entropy (nats) on the fixed held-out batches
     "heldout_bpc",        # heldout_loss / ln 2
     "lr",                 # learning rate of the last step
@@ -54,6 +54,8 @@ HISTORY_FIELDS = (
     "max_vio",            # mean over rows of max load / fair share - 1 (Loss-Free Balancing's MaxVio)
     "dequants",           # frozen stacks: dequants per step by phase, pinned replays, stacks (None: none)
     "offload",            # offloaded stacks: H2D bytes and unhidden H2D ms per step, resident bytes (None: none)
+    "skipped_steps",      # fp16: steps since the previous record whose update a gradient overflow skipped (else 0)
+    "loss_scale",         # fp16: the GradScaler's loss scale now (None: bf16 / fp32)
 )
 
 

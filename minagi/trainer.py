@@ -1,21 +1,22 @@
 """The training loop: AdamW + warmup/cosine, held-out evaluation, history records, checkpoints, resume.
 
   the training state        `TrainState`: step, best held-out, loss meters, routing counters
-  one training step         `train_step`;  one evaluation: `evaluate`
+  one training step         step.py: `train_step` (micro-batches, fp16's loss scale);  one evaluation: `evaluate`
   the loop                  `Trainer.run`, which `train` builds and runs; minagi/progress.py: `Interval`,
                             this process's steps since the last record, and what is shown of them
   beside it                 start.py: a run's start (folder, checkpoint, corpus); assemble.py: model,
                             optimizer, schedule, wrappers; checkpoint.py, runlog.py, schedule.py, resume.py
 
-Each step trains on `get_batch(train_ids, batch_size, context, seed, step)`: the batch is a pure
-function of the step number, so a resumed run continues at exactly the data position it left, and
+Each step trains on `get_batch(train_ids, batch_size, context, seed, step, ..., accum_steps)`: its
+`accum_steps` micro-batches are a pure function of the step number, so a resumed run continues at
+exactly the data position it left, and
 on the CPU reproduces the uninterrupted run's losses (and the next step's batch can be made while a
 step's kernels run, before its loss is read). Every `eval_every` steps and at the end: the
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved. Ctrl-C saves
 last.pt at the step reached (one during the optimizer update waits the milliseconds it takes).
 
 Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): `train.batch_size` stays the global
-batch: rank r trains on its `batch_size // world_size` rows of every step's batch, DDP averages the
+batch of one forward: rank r trains on its `batch_size // world_size` rows of every micro-batch, DDP averages the
 gradients, and the routing counts (balance term, aux-free bias, sink diagnostics) are summed over
 ranks, so N ranks train the run one process would. Rank 0 alone writes the run folder.
 """
@@ -41,29 +42,21 @@ from .assemble import Training, build_training, check_world_size
 from .checkpoint import Checkpoint, CorpusSummary, Meter, capture_rng_state
 from .config import Config, ConfigError
 from .data import batch_on
-from .diagnostics import RoutingMeter, StepCounts, mean_max_vio, reduce_over_ranks, step_counts
+from .diagnostics import RoutingMeter, StepCounts, mean_max_vio
 from .frozen import dequant_summary
 from .model import CharLM
 from .offload import offload_summary
 from .progress import Interval, Progress
-from .recompute import clear_stale_slots
 from .resume import resume_config
 from .runlog import HISTORY_FIELDS
 from .schedule import lr_factor
 from .start import start_run
+from .step import NonFiniteLossError, StepStats, train_step
 
-__all__ = ["NonFiniteLossError", "TrainResult", "TrainState", "Training", "build_training", "check_world_size",
-           "evaluate", "lr_factor", "resume_config", "train", "train_step"]
+__all__ = ["NonFiniteLossError", "StepStats", "TrainResult", "TrainState", "Training", "build_training",
+           "check_world_size", "evaluate", "lr_factor", "resume_config", "train", "train_step"]
 
 LN2 = math.log(2.0)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the gradient norm became NaN/inf; raised before the step's update or any save."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
 
 
 @dataclass
@@ -97,20 +90,27 @@ class TrainState:
     since: int = 0          # steps since the last record
     wall_s: float = 0.0     # training seconds since the run began, summed over resumes
     evals_since_best: int = 0  # evaluations since the best held-out loss (train.early_stop_evals)
+    skipped: int = 0        # fp16: steps since the last record whose update an overflow skipped
     routing: RoutingMeter = field(default_factory=RoutingMeter)
 
-    def add_step(self, ce: float, aux: float, gnorm: float, seconds: float, counts: StepCounts | None) -> None:
-        self.loss_sum, self.aux_sum, self.norm_sum = self.loss_sum + ce, self.aux_sum + aux, self.norm_sum + gnorm
+    def add_step(self, ce: float, aux: float, gnorm: float, seconds: float, counts: StepCounts | None,
+                 skipped: bool = False) -> None:
+        """A step's figures; a skipped step's gradient norm (inf) is left out of the mean."""
+        self.loss_sum, self.aux_sum = self.loss_sum + ce, self.aux_sum + aux
+        self.norm_sum += 0.0 if skipped else gnorm
         self.since += 1
+        self.skipped += int(skipped)
         self.wall_s += seconds
         self.routing.add(counts)
 
     def take_means(self) -> dict:
-        """The interval's mean train loss, aux loss and gradient norm; the meters start again."""
+        """The interval's mean train loss, aux loss and gradient norm (of the steps that updated), and
+        the steps skipped; the meters start again."""
         means = {"train_loss": self.loss_sum / self.since, "aux_loss": self.aux_sum / self.since,
-                 "grad_norm": self.norm_sum / self.since}
+                 "grad_norm": self.norm_sum / (self.since - self.skipped) if self.since > self.skipped else None,
+                 "skipped_steps": self.skipped}
         self.loss_sum = self.aux_sum = self.norm_sum = 0.0
-        self.since = 0
+        self.since = self.skipped = 0
         return means
 
     def meter(self) -> Meter:
@@ -128,62 +128,15 @@ _METERED = [f.name for f in dataclasses.fields(Meter) if f.name != "routing"]  #
 
 # ------------------------------------------------------------------------------------ one step, one evaluation
 
-@dataclass
-class StepStats:
-    ce: float                   # cross-entropy of the global batch, nats
-    aux: float
-    grad_norm: float
-    lr: float                   # the learning rate the update used
-    counts: StepCounts | None   # the step's routing, summed over ranks
-
-
-def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip: float, world_size: int,
-               device: torch.device, meanwhile: Callable[[], None] | None = None) -> StepStats:
-    """Forward, backward, the NaN check, the update and the aux-free bias step of 0-based `step`.
-
-    Raises NonFiniteLossError before updating anything. The one host sync: the loss (the progress
-    bar needs it, and a NaN must stop the update), in the same all-reduce as the routing counts
-    under DDP. `meanwhile`: host work (the next batch) done once the step's kernels are queued,
-    before that sync, so the GPU is not left waiting for it after the step (docs/benchmarks.md §10).
-    """
-    clear_stale_slots()  # replay pins a stopped backward left behind
-    if training.dropout_seed is not None:
-        # Dropout masks as a function of (seed, step, rank): a resumed run draws the masks the
-        # uninterrupted one drew, whatever ran before; each rank draws its own rows' masks.
-        torch.manual_seed(training.dropout_seed + 1_000_003 * step)
-    with devices.autocast(device):
-        out = training.forward(x, y)
-    (out.loss + out.aux_loss).backward()
-    if grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(training.params, grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in training.params if p.grad is not None])
-    stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(), norm.detach().float()])
-    if meanwhile is not None:
-        meanwhile()
-    (ce, aux, gnorm), counts = reduce_over_ranks(stats, step_counts(out.routing), world_size)
-    if not (math.isfinite(ce) and math.isfinite(aux) and math.isfinite(gnorm)):
-        what = "loss" if not math.isfinite(ce + aux) else "gradient norm"
-        raise NonFiniteLossError(f"step {step + 1}: {what} is not finite (loss {ce}, aux {aux}, grad norm "
-                                 f"{gnorm}); stopped before updating", step + 1)
-    lr = training.optimizer.param_groups[0]["lr"]
-    training.updating = True
-    training.optimizer.step()
-    training.scheduler.step()
-    if counts is not None:
-        training.model.step_router_bias(counts.load_LE)
-    training.optimizer.zero_grad(set_to_none=True)
-    return StepStats(ce, aux, gnorm, lr, counts)
-
-
 @torch.no_grad()
-def evaluate(model: CharLM, batches, device: torch.device, world_size: int) -> float:
-    """Mean held-out cross-entropy in nats over `batches` (all ranks'); the aux loss is a training
-    term, not part of it, and the evaluation's routing counts nothing."""
+def evaluate(model: CharLM, batches, device: torch.device, world_size: int, dtype: torch.dtype | None = None) -> float:
+    """Mean held-out cross-entropy in nats over `batches` (all ranks'), computed in `dtype` (the run's
+    train.precision; None: the device's); the aux loss is a training term, not part of it, and the
+    evaluation's routing counts nothing."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    with devices.autocast(device):
+    with devices.autocast(device, dtype):
         for x, y in batches:
             total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss.double()
     model.train(was_training)
@@ -247,7 +200,7 @@ class Trainer:
                           scheduler=t.scheduler.state_dict(), rng=capture_rng_state(), config=self.cfg,
                           vocab=self.corpus.vocab, corpus=CorpusSummary.of(self.corpus), step=state.step,
                           best_heldout_loss=state.best, run_name=self.run_name, meter=state.meter(),
-                          schedule=t.schedule)
+                          schedule=t.schedule, scaler=t.scaler.state_dict() if t.scaler is not None else None)
 
     # ---------------------------------------------------------------- the loop
 
@@ -314,7 +267,7 @@ class Trainer:
     def _make(self, step: int) -> tuple[Tensor, Tensor]:
         tc = self.cfg.train
         return batch_on(self.device, self.corpus.train_ids, tc.batch_size, self.cfg.model.context, tc.seed, step,
-                        self.rank, self.world_size)
+                        self.rank, self.world_size, tc.accum_steps)
 
     def _step(self) -> None:
         tc, state = self.cfg.train, self.state
@@ -326,10 +279,10 @@ class Trainer:
         except NonFiniteLossError as err:
             raise NonFiniteLossError(f"{err}; {self.folder.kept()}", err.step) from None
         dt = time.perf_counter() - t0
-        chars = tc.batch_size * self.cfg.model.context
+        chars = self._chars_per_step()
         state.step += 1
         state.eval_due = state.step % tc.eval_every == 0 or state.step == tc.steps
-        state.add_step(stats.ce, stats.aux, stats.grad_norm, dt, stats.counts)
+        state.add_step(stats.ce, stats.aux, stats.grad_norm, dt, stats.counts, stats.skipped)
         self.interval.add(chars, dt, stats.lr)
         self.result.losses.append(stats.ce)
         self.result.step = state.step
@@ -343,7 +296,7 @@ class Trainer:
         state, model, stager = self.state, self.training.model, self.training.stager
         # Training steps' only, per step this process trained (the counts of steps before a resume are gone).
         dequants, offload = dequant_summary(model, self.interval.steps), offload_summary(stager, self.interval.steps)
-        heldout = evaluate(model, self.eval_batches, self.device, self.world_size)
+        heldout = evaluate(model, self.eval_batches, self.device, self.world_size, self.training.dtype)
         dequant_summary(model, 1)  # drop the evaluation's
         offload_summary(stager, 1)
         if not math.isfinite(heldout):
@@ -364,17 +317,22 @@ class Trainer:
         self.say(f"step {state.step}/{self.cfg.train.steps}: train {record['train_loss']:.4f} | held-out "
                  f"{heldout:.4f} nats = {heldout / LN2:.4f} bits/char" + (" (best)" if improved else ""))
 
+    def _chars_per_step(self) -> int:
+        """Characters of one optimizer step, all ranks and micro-batches."""
+        tc = self.cfg.train
+        return tc.accum_steps * tc.batch_size * self.cfg.model.context
+
     def _record(self, heldout: float, dequants: dict | None, offload: dict | None) -> dict:
-        state = self.state
-        chars_per_step = self.cfg.train.batch_size * self.cfg.model.context
+        state, scaler = self.state, self.training.scaler
         sinks = state.routing.read(self.cfg.pool.sink_ratio, reset=True)
-        record = {"step": state.step, "chars_seen": state.step * chars_per_step, **state.take_means(),
+        record = {"step": state.step, "chars_seen": state.step * self._chars_per_step(), **state.take_means(),
                   "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": self.interval.lr,
                   "chars_per_s": self.interval.chars_per_s, "wall_s": state.wall_s,
                   **devices.memory_stats(self.device), "sinks": sinks,
                   "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
                   "max_vio": mean_max_vio(sinks),
-                  "dequants": dequants, "offload": offload}
+                  "dequants": dequants, "offload": offload,
+                  "loss_scale": scaler.get_scale() if scaler is not None else None}
         return {k: record[k] for k in HISTORY_FIELDS}
 
     def _on_interrupt(self) -> None:

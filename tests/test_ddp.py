@@ -201,6 +201,25 @@ def test_the_default_run_name_is_rank_zeros_on_every_rank(ddp):
     assert ddp["resumed"][0]["run_dir"] == ddp["resumed"][1]["run_dir"] == a0["run_dir"]
 
 
+def test_two_ranks_accumulating_micro_batches_give_the_single_process_run(tmp_path):
+    # Gradients all-reduced in the last micro-batch only (no_sync before), the routing pre-pass's counts
+    # summed over ranks for the balance term over the whole step, the aux-free bias from the step's loads.
+    s = Setup(tmp_path)
+    sets = ("train.accum_steps=3", "train.steps=3", "train.eval_every=3", "model.n_rows=2")
+    ref = s.one_process(*sets, run_name="one")
+    r0, r1, _ = s.torchrun("accum", "--profile", str(s.profile), "--data", str(s.data), "--run-name", "two",
+                           *[arg for item in sets for arg in ("--set", item)])
+    assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(ref.losses, rel=RTOL)
+    final = load_checkpoint(ref.run_dir / "last.pt")["model"]
+    for key, value in final.items():
+        assert torch.equal(r0["state"][key], r1["state"][key]), key
+        assert torch.allclose(r0["state"][key], value, rtol=1e-4, atol=1e-6), key
+    (two,) = read_history(tmp_path / "runs" / "two" / "history.jsonl")
+    (one,) = read_history(ref.run_dir / "history.jsonl")
+    assert [row["load"] for row in two["sinks"]] == [row["load"] for row in one["sinks"]]
+    assert two["chars_seen"] == 3 * 3 * 4 * 16 and two["aux_loss"] == pytest.approx(one["aux_loss"], rel=RTOL)
+
+
 def test_two_ranks_train_with_a_frozen_expert_stack_and_loop_dispatch(tmp_path, monkeypatch):
     # Loop dispatch skips idle experts, and a frozen parameter has no gradient at all: neither may
     # upset DDP (no find_unused_parameters), and the frozen stack must stay as initialised.

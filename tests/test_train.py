@@ -23,6 +23,7 @@ import torch
 
 import train as train_py
 from minagi import runlog, start, trainer
+from minagi import step as step_module
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
 from minagi.model import CharLM
@@ -94,7 +95,7 @@ def test_history_lines_carry_every_history_field(golden):
 
 def test_each_steps_batch_is_made_once_while_the_step_before_runs_before_its_loss_is_read(tmp_path, monkeypatch):
     # The GPU would otherwise wait for the host to make a batch after each step (docs/benchmarks.md §10).
-    events, make, read = [], trainer.batch_on, trainer.reduce_over_ranks
+    events, make, read = [], trainer.batch_on, step_module.reduce_over_ranks
 
     def making(device, ids, batch_size, context, seed, step, *args):
         events.append(("batch", step))
@@ -104,7 +105,7 @@ def test_each_steps_batch_is_made_once_while_the_step_before_runs_before_its_los
         events.append(("read",))
         return read(*args)
     monkeypatch.setattr(trainer, "batch_on", making)
-    monkeypatch.setattr(trainer, "reduce_over_ranks", reading)
+    monkeypatch.setattr(step_module, "reduce_over_ranks", reading)
     result = run_tiny(tmp_path, None)
     assert events[:5] == [("batch", 0), ("batch", 1), ("read",), ("batch", 2), ("read",)]
     assert [e for e in events if e[0] == "batch"] == [("batch", s) for s in range(7)]  # the last, ahead, unused

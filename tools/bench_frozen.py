@@ -80,9 +80,8 @@ def run_mode(name: str, cfg, device: torch.device, steps: int, warmup: int) -> d
     if training.stager is not None:
         training.stager.timing = True
     g = torch.Generator(device=device).manual_seed(0)
-    shape = (cfg.train.batch_size, cfg.model.context)
+    shape = (cfg.train.accum_steps * cfg.train.batch_size, cfg.model.context)  # the step's micro-batches
     times = []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     for i in range(warmup + steps):
         if i == warmup:
             dequant_summary(training.model, 1)
@@ -94,8 +93,7 @@ def run_mode(name: str, cfg, device: torch.device, steps: int, warmup: int) -> d
         x = torch.randint(0, VOCAB, shape, device=device, generator=g)
         y = torch.randint(0, VOCAB, shape, device=device, generator=g)
         t0 = time.perf_counter()
-        with autocast:
-            train_step(training, x, y, step=i, grad_clip=cfg.train.grad_clip, world_size=1, device=device)
+        train_step(training, x, y, step=i, grad_clip=cfg.train.grad_clip, world_size=1, device=device)
         training.updating = False
         if device.type == "cuda":
             torch.cuda.synchronize()

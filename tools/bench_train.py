@@ -15,6 +15,14 @@ measured steps see the routing that training leaves), host syncs per step (count
 torch.cuda.set_sync_debug_mode over one step), recompiles over the measured steps, peak allocated,
 the busiest expert's load over its fair share (the worst row, last step); with --trace, the GPU time of
 one step by kind of kernel and how much of it the GPU sat idle.
+
+Bytes per trainable weight (`bytes_per_weight`), from persistent memory after the first step: on CUDA the
+allocated bytes then (weights and optimizer state; gradients are freed after the update) minus the
+model's other tensors (frozen stacks, buffers), over the trainable weights; on the CPU from the
+optimizer's state tensors. A step's gradient adds 4 more (fp32) while it runs:
+
+    python tools/bench_train.py --profiles h200 --steps 3 --warmup 1 --set train.optimizer_states=fp32
+    python tools/bench_train.py --profiles h200 --steps 3 --warmup 1 --set train.optimizer_states=bf16
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minagi.config import load_config  # noqa: E402
 from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
 from minagi.devices import host_syncs  # noqa: E402
+from minagi.optim import state_bytes  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -65,6 +74,25 @@ def busiest_expert(stats) -> float | None:
         return None
     load_LE = stats.counts.load_LE.float()
     return float((load_LE.max(1).values / load_LE.mean(1)).max())
+
+
+def bytes_per_weight(training, device: torch.device) -> dict:
+    """Persistent bytes per trainable weight after a step: the weight itself, the optimizer's state
+    (CUDA: measured, allocated minus the model's tensors; CPU: its state tensors), and their sum."""
+    trainable = [p for p in training.model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    weights = sum(p.numel() * p.element_size() for p in trainable)
+    model = sum(t.numel() * t.element_size() for t in (*training.model.parameters(), *training.model.buffers())
+                if t.device.type == device.type)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        states = torch.cuda.memory_allocated(device) - model
+        how = "measured: allocated after the step minus the model's tensors"
+    else:
+        states = state_bytes(training.optimizer)
+        how = "the optimizer's state tensors"
+    return {"weights": weights / n, "optimizer_states": states / n, "persistent": (weights + states) / n,
+            "with_gradient": (weights + states) / n + 4, "trainable_weights": n, "how": how}
 
 
 def matmul_tflops(device: torch.device) -> float | None:
@@ -136,28 +164,32 @@ def run(profile: str, compile_on: str, args, device: torch.device, rate: float |
     vocab = VOCAB if corpus is None else corpus.vocab.size
     training = build_training(cfg, vocab, device, 1)
     g = torch.Generator(device=device).manual_seed(0)
-    shape = (cfg.train.batch_size, cfg.model.context)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+    tc = cfg.train
+    shape = (tc.accum_steps * tc.batch_size, cfg.model.context)  # a step: its micro-batches one after another
     step, last, ahead = [0], {}, {}
 
     def batch(s: int):
         if corpus is None:
             return [torch.randint(0, VOCAB, shape, device=device, generator=g) for _ in range(2)]
-        return batch_on(device, corpus.train_ids, *shape, cfg.train.seed, s)  # as the trainer makes them
+        # as the trainer makes them
+        return batch_on(device, corpus.train_ids, tc.batch_size, shape[1], tc.seed, s, 0, 1, tc.accum_steps)
 
     def one():
         x, y = ahead.pop(step[0], None) or batch(step[0])
         # As the trainer: a corpus's next batch is made while this step's kernels run.
         meanwhile = None if corpus is None else (lambda s=step[0] + 1: ahead.update({s: batch(s)}))
-        with autocast:
-            last["stats"] = train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1,
-                                       device=device, meanwhile=meanwhile)
+        last["stats"] = train_step(training, x, y, step=step[0], grad_clip=cfg.train.grad_clip, world_size=1,
+                                   device=device, meanwhile=meanwhile)  # autocast to train.precision inside
         training.updating = False
         step[0] += 1
 
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
         one()
+        if i == 0:
+            persistent = bytes_per_weight(training, device)
+    if args.warmup == 0:
+        one()
+        persistent = bytes_per_weight(training, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -172,7 +204,8 @@ def run(profile: str, compile_on: str, args, device: torch.device, rate: float |
            "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
            "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
-           "vocab": vocab, "busiest_expert": busiest_expert(last["stats"])}
+           "vocab": vocab, "busiest_expert": busiest_expert(last["stats"]), "bytes_per_weight": persistent,
+           "optimizer_states": tc.optimizer_states, "precision": tc.precision}
     sites = host_syncs(one)  # one step more, after the timed ones
     out["syncs_per_step"] = len(sites)
     if args.sync_trace:
@@ -241,6 +274,12 @@ def main(argv=None) -> int:
         print(f"| {r['profile']} | {r['compile']} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
               f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
               f"{'-' if r['busiest_expert'] is None else format(r['busiest_expert'], '.2f') + 'x'} |")
+    for r in results:
+        if "bytes_per_weight" in r:
+            b = r["bytes_per_weight"]
+            print(f"{r['profile']} ({r['optimizer_states']} states): {b['persistent']:.2f} bytes per trainable weight "
+                  f"between steps (weight {b['weights']:.2f} + optimizer {b['optimizer_states']:.2f}; {b['how']}), "
+                  f"{b['with_gradient']:.2f} with the step's gradient, over {b['trainable_weights']:,} weights")
     for r in results:
         if r.get("gpu_ms_by_kind"):
             print(f"\n{r['profile']} compile={r['compile']}: GPU ms of one step by kind")

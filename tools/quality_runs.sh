@@ -7,16 +7,19 @@
 #   3. Gutenberg: h200_gutenberg and h200_gutenberg_dense, two seeds each, and the MoE's sink
 #      experiments (seed 1337 with the balance term off, and off with the aux-free bias on), six at
 #      once (compared at equal characters seen, so sharing the GPU changes nothing they are judged on);
-#   4. every best.pt read over its whole held-out text by tools/evaluate.py, tools/compare_runs.py,
+#   4. AdamW's moments in fp32 against bf16 (train.optimizer_states) on h200_shakespeare, two seeds each,
+#      four at once (compared by held-out loss);
+#   5. every best.pt read over its whole held-out text by tools/evaluate.py, tools/compare_runs.py,
 #      and tools/sink_report.py on every Gutenberg MoE run.
 #
 #   bash tools/quality_runs.sh OUT [DATA]      # DATA: the folder holding tinyshakespeare.txt and gutenberg/
 #   STAGES="gutenberg evaluate" bash tools/quality_runs.sh OUT    # some stages only
+#   STAGES="states evaluate" bash tools/quality_runs.sh OUT       # fp32 against bf16 optimizer states (~4 min)
 set -u
 OUT=${1:?usage: quality_runs.sh OUT [DATA]}
 DATA=${2:-../shared/data}
 RUNS=${RUNS:-/dev/shm/quality}
-STAGES=${STAGES:-nanogpt shakespeare gutenberg evaluate}
+STAGES=${STAGES:-nanogpt shakespeare gutenberg states evaluate}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 shopt -s nullglob   # a stage not run leaves no runs to evaluate
 mkdir -p "$OUT" "$RUNS"
@@ -63,6 +66,19 @@ if stage gutenberg; then
   tail -n 1 "$OUT"/h200_gutenberg*.txt
 fi
 
+if stage states; then
+  echo "=== h200_shakespeare optimizer states fp32 / bf16 x2 $(date +%T)"
+  for states in fp32 bf16; do
+    for seed in 1337 1338; do
+      python3 train.py --profile h200_shakespeare --data "$DATA/tinyshakespeare.txt" \
+        --run-name "h200_shakespeare_states_$states-$seed" --set "train.seed=$seed" \
+        --set "train.optimizer_states=$states" "${common[@]}" 2>&1 | stamp > "$OUT/h200_shakespeare_states_$states-$seed.txt" &
+    done
+  done
+  wait
+  tail -n 1 "$OUT"/h200_shakespeare_states_*.txt
+fi
+
 stage evaluate || exit 0
 echo "=== held-out evaluation $(date +%T)"
 # The Shakespeare figure is of the held-out part only: evaluate it as its own file.
@@ -84,7 +100,8 @@ compare() {  # name run...: one PNG and table of these runs, if any ran
   local name=$1; shift
   [ $# -gt 0 ] && python3 tools/compare_runs.py "$@" --out "$OUT/$name.png" > "$OUT/${name}_table.md" 2>&1
 }
-compare shakespeare "$RUNS"/h200_shakespeare*-*
+compare shakespeare "$RUNS"/h200_shakespeare-* "$RUNS"/h200_shakespeare_dense-*
+compare states "$RUNS"/h200_shakespeare_states_*-*
 compare gutenberg "$RUNS"/h200_gutenberg-* "$RUNS"/h200_gutenberg_dense-*
 compare gutenberg_sinks "$RUNS"/h200_gutenberg-1337 "$RUNS"/h200_gutenberg_nobalance-* "$RUNS"/h200_gutenberg_auxfree-*
 mkdir -p "$OUT/histories"

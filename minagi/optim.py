@@ -1,0 +1,153 @@
+"""The optimizer a run trains with (`build_optimizer`): torch's AdamW with fp32 moments, or AdamW whose
+two moments are held in bf16 (`AdamWBF16`, `train.optimizer_states = "bf16"`).
+
+Bytes per trainable weight (fp32 weights): fp32 moments 4 (weight) + 8 (moments) = 12 between steps,
+16 with the gradient during a step; bf16 moments 4 + 4 = 8, and 12 (docs/benchmarks.md §15).
+
+`AdamWBF16` computes each update in fp32 from the stored moments and writes them back with stochastic
+rounding (the fp32 value rounded up or down at random, with the chance that keeps its mean: torchao's
+`bf16_stochastic_round`, Gupta et al. 2015). Rounded to nearest, a second moment decaying by beta2 =
+0.999 a step would stall: 0.1% is below bf16's resolution (2^-8). The random bits come from a generator
+seeded by (the group's seed, the step, the group and the chunk), so a resume draws what the uninterrupted
+run drew, whatever else used the global generators. The arithmetic is torch's `_foreach` ops over each device's tensors
+(one kernel per op, not per tensor) on views of one flat fp32 buffer per moment, rounded back at once,
+in chunks of at most CHUNK weights (a larger tensor alone): the update's temporaries (the two fp32
+moments, the denominator, the rounding's bits and result: ~20 bytes a weight) then cost at most
+20 x CHUNK bytes at a time, not 20 bytes a weight (which would make the update the peak of a small card).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["AdamWBF16", "build_optimizer", "state_bytes"]
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+CHUNK = 1 << 24  # weights updated together: temporaries of at most ~20 x 16M bytes = 320 MiB
+UPDATE_TEMP = 20  # bytes a weight of a chunk the update holds at once: 2 x 4 fp32 moments, 4 denominator
+#                   (freed before rounding) or 2 + 9 rounding (bf16 result, int32 bits, mask, where's copy)
+
+
+def build_optimizer(param_groups: list[dict], *, lr: float, betas: tuple[float, float], states: str,
+                    device: torch.device, seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW over `param_groups` with `states` ("fp32": torch's, fused on CUDA; "bf16": `AdamWBF16`)."""
+    if states == "fp32":
+        return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=device.type == "cuda")
+    if states == "bf16":
+        return AdamWBF16(param_groups, lr=lr, betas=betas, seed=seed)
+    raise ValueError(f"train.optimizer_states must be fp32 or bf16; got {states!r}")
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (moments; not the step counters), counted once each."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for key in _STATE_KEYS:
+            t = state.get(key)
+            if isinstance(t, Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def stochastic_round_(dest_bf16: Tensor, value_fp32: Tensor, generator: torch.Generator) -> None:
+    """dest = value rounded to bf16 up or down at random, E[dest] = value: random bits below bf16's 16
+    kept bits are added to the fp32 pattern, which is then cut to its top 16 bits (inf and NaN stay)."""
+    bits = value_fp32.view(torch.int32)
+    rounded = torch.randint(0, 1 << 16, value_fp32.shape, dtype=torch.int32, device=value_fp32.device,
+                            generator=generator)
+    rounded.add_(bits).bitwise_and_(-65536)  # in place: -65536 = 0xFFFF0000
+    rounded = torch.where(torch.isfinite(value_fp32), rounded, bits)
+    dest_bf16.copy_(rounded.view(torch.float32))  # exact: the low 16 bits are zero (NaN keeps its NaN)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected) with bf16 moments; weights and gradients as they
+    are (fp32). Same hyper-parameters and update as `torch.optim.AdamW` with amsgrad off."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, seed: int = 0):
+        if lr <= 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
+            raise ValueError(f"invalid AdamW settings: lr {lr}, betas {betas}, eps {eps}, weight_decay {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts every floating state tensor to its parameter's dtype on load: the moments go back to bf16."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in _STATE_KEYS:
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, group in enumerate(self.param_groups):
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError("AdamWBF16 does not support sparse gradients")
+                    by_device.setdefault(p.device, []).append(p)
+            for device, params in by_device.items():
+                generator = torch.Generator(device=device)
+                for c, chunk in enumerate(_chunks(params)):
+                    self._update(group, chunk, generator, (g, c))
+        return loss
+
+    def _update(self, group: dict, params: list[Tensor], generator: torch.Generator, where: tuple[int, int]) -> None:
+        """One AdamW step of `params` (one device, one chunk): the moments read into one flat fp32 buffer
+        each, updated there (foreach over views of it), rounded back to bf16 at once, copied home; the
+        rounding's bits seeded by (the group's seed, the step, `where`: group and chunk)."""
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        states = [self._state(p) for p in params]
+        for s in states:
+            s["step"] += 1
+        step = int(states[0]["step"])  # a group's parameters step together
+        sizes = [p.numel() for p in params]
+        grads = [p.grad.float() for p in params]
+        flat = {key: torch.cat([s[key].view(-1) for s in states]).float() for key in _STATE_KEYS}
+        exp_avg, exp_avg_sq = ([t.view_as(p) for t, p in zip(flat[key].split(sizes), params)] for key in _STATE_KEYS)
+        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)  # v = beta2 v + (1 - beta2) g^2
+        if decay:
+            torch._foreach_mul_(params, 1 - lr * decay)
+        correction1, correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, correction2 ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avg, denom, -lr / correction1)
+        del denom
+        g, c = where
+        generator.manual_seed((((group["seed"] * 1_000_003 + step) * 1_009 + g) * 65_537 + c) % 2**63)
+        for key in _STATE_KEYS:
+            rounded = torch.empty(flat[key].shape, dtype=torch.bfloat16, device=flat[key].device)
+            stochastic_round_(rounded, flat[key], generator)
+            torch._foreach_copy_([s[key] for s in states], [t.view_as(p) for t, p in zip(rounded.split(sizes), params)])
+
+    def _state(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch's non-capturable AdamW
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+        return state
+
+
+def _chunks(params: list[Tensor]) -> list[list[Tensor]]:
+    """`params` in order, in runs of at most CHUNK weights (a tensor larger than CHUNK alone)."""
+    chunks, run, size = [], [], 0
+    for p in params:
+        if run and size + p.numel() > CHUNK:
+            chunks.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += p.numel()
+    return chunks + [run] if run else chunks

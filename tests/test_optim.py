@@ -1,0 +1,114 @@
+"""train.optimizer_states (minagi/optim.py): AdamW with bf16 moments against torch's AdamW, its
+stochastic rounding, its checkpoint round trip, and runs that learn and resume exactly."""
+import io
+
+import pytest
+import torch
+
+from minagi.checkpoint import load_checkpoint
+from minagi.optim import AdamWBF16, build_optimizer, state_bytes, stochastic_round_
+from minagi.runlog import read_history
+from minagi.trainer import resume_config, train
+from tiny import interrupt_at, run_tiny
+
+CPU = torch.device("cpu")
+
+
+def _pair(seed: int = 0, n: int = 4000, **kwargs):
+    torch.manual_seed(seed)
+    w = torch.randn(n)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, **kwargs}
+    return a, b, torch.optim.AdamW([a], **settings), AdamWBF16([b], **settings)
+
+
+def test_bf16_states_are_bf16_and_half_the_bytes_of_fp32_ones():
+    params = [torch.nn.Parameter(torch.randn(30, 20)), torch.nn.Parameter(torch.randn(7))]
+    fp32 = build_optimizer([{"params": params}], lr=1e-3, betas=(0.9, 0.95), states="fp32", device=CPU)
+    bf16 = build_optimizer([{"params": params}], lr=1e-3, betas=(0.9, 0.95), states="bf16", device=CPU)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fp32.step()
+    bf16.step()
+    for p in params:
+        state = bf16.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert state["exp_avg"].shape == p.shape and state["step"].item() == 1
+    assert state_bytes(fp32) == 8 * 607 and state_bytes(bf16) == 4 * 607
+
+
+def test_bf16_states_follow_torchs_adamw():
+    a, b, reference, lean = _pair()
+    for _ in range(50):
+        g = torch.randn_like(a)
+        a.grad, b.grad = g.clone(), g.clone()
+        reference.step()
+        lean.step()
+    torch.manual_seed(0)
+    moved = (a.detach() - torch.randn(4000)).abs().mean()  # how far 50 steps took the weights
+    # The same updates, up to the moments' rounding (~0.4% an element and step, a random walk over 50 steps).
+    assert (a - b).abs().max() < 0.05 * moved
+    assert (a - b).abs().mean() < 0.01 * moved
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbouring_bf16():
+    value = torch.full((200_000,), 1.0 + 2 ** -10)  # between the bf16 neighbours 1 and 1 + 2^-7
+    out = torch.empty(200_000, dtype=torch.bfloat16)
+    stochastic_round_(out, value, torch.Generator().manual_seed(0))
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert out.float().mean().item() == pytest.approx(1.0 + 2 ** -10, rel=2e-5)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), -2.5, 0.0])
+    rounded = torch.empty(5, dtype=torch.bfloat16)
+    stochastic_round_(rounded, special, torch.Generator().manual_seed(0))
+    assert rounded[0] == float("inf") and rounded[1] == -float("inf") and rounded[2].isnan()
+    assert rounded[3] == -2.5 and rounded[4] == 0
+
+
+def test_a_decaying_second_moment_does_not_stall_in_bf16():
+    # beta2 = 0.999: each step takes 0.1% off v, below bf16's resolution; rounded to nearest, v would stay put.
+    a, b, reference, lean = _pair(betas=(0.9, 0.999), n=20_000)
+    for step in range(400):
+        g = torch.randn_like(a) if step == 0 else torch.zeros_like(a)
+        a.grad, b.grad = g.clone(), g.clone()
+        reference.step()
+        lean.step()
+    want, got = reference.state[a]["exp_avg_sq"], lean.state[b]["exp_avg_sq"].float()
+    assert got.mean().item() == pytest.approx(want.mean().item(), rel=0.01)  # 0.999^399 of the first step's
+
+
+def test_bf16_states_round_trip_a_checkpoint_and_go_on_exactly():
+    a, b, _, lean = _pair()
+    grads = [torch.randn_like(b) for _ in range(6)]
+    for g in grads[:3]:
+        b.grad = g.clone()
+        lean.step()
+    buf = io.BytesIO()
+    torch.save({"optimizer": lean.state_dict(), "param": b.detach().clone()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    c = torch.nn.Parameter(saved["param"])
+    resumed = AdamWBF16([c], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    resumed.load_state_dict(saved["optimizer"])
+    assert resumed.state[c]["exp_avg"].dtype == torch.bfloat16  # torch's load would have made it fp32
+    assert torch.equal(resumed.state[c]["exp_avg_sq"], lean.state[b]["exp_avg_sq"])
+    for g in grads[3:]:
+        b.grad, c.grad = g.clone(), g.clone()
+        lean.step()
+        resumed.step()
+    assert torch.equal(b, c)
+
+
+def test_a_run_with_bf16_states_learns_and_resumes_exactly(tmp_path, data_path, monkeypatch):
+    extra = ("train.optimizer_states=bf16", "train.steps=8", "train.eval_every=4")
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    fp32 = run_tiny(tmp_path, data_path, "train.steps=8", "train.eval_every=4", run_name="fp32")
+    assert full.losses[-1] < full.losses[0] - 0.3 and full.heldout_loss == pytest.approx(fp32.heldout_loss, abs=0.02)
+    last = load_checkpoint(full.run_dir / "last.pt")
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in last["optimizer"]["state"].values())
+    with monkeypatch.context() as m:
+        interrupt_at(m, 5)
+        cut = run_tiny(tmp_path, data_path, *extra, run_name="cut")
+    rest = train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert cut.losses + rest.losses == full.losses
+    assert [r["heldout_loss"] for r in read_history(cut.run_dir / "history.jsonl")] == \
+        [r["heldout_loss"] for r in read_history(full.run_dir / "history.jsonl")]

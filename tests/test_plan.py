@@ -1,0 +1,124 @@
+"""Will it fit (minagi/plan.py, train.py --plan): every shipped profile planned on every target in
+seconds, its parts adding up to its peak; the weights it counts and the tensors it says a row saves
+for backward against the model built on the CPU and autograd's own saved tensors."""
+import time
+
+import pytest
+import torch
+
+import train as train_py
+from minagi import assemble
+from minagi.config import available_profiles, load_config
+from minagi.frozen import frozen_stacks
+from minagi.model import build_model
+from minagi.plan import TARGETS, _resolve, plan_memory, row_saved, weight_copies, weight_counts
+
+CPU = torch.device("cpu")
+
+
+def test_every_shipped_profile_is_planned_on_every_target_in_seconds_and_its_parts_add_up():
+    start = time.perf_counter()
+    for profile in available_profiles():
+        cfg = load_config(profile)
+        for target in TARGETS:
+            plan = plan_memory(cfg, target)
+            assert plan.parts and all(p.bytes > 0 for p in plan.parts), (profile, target)
+            assert sum(p.bytes for p in plan.parts) == plan.peak_allocated, (profile, target)
+            assert plan.peak_reserved == plan.peak_allocated + plan.slack.bytes
+            names = [p.name for p in plan.parts]
+            assert "weights" in names and "optimizer states" in names and "activations" in names
+            assert ("NF4 stacks" in names) == (cfg.experts.frozen and cfg.experts.quant == "nf4")
+    assert time.perf_counter() - start < 20
+
+
+def test_train_py_plan_prints_the_parts_and_exits_0_building_nothing(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("--plan built the model")
+    monkeypatch.setattr(assemble, "build_model", refuse)
+    assert train_py.main(["--profile", "strix_large", "--plan", "rocm"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights", "optimizer states", "gradients", "activations", "dispatch padding", "weight copies",
+                 "peak allocated", "allocator slack", "peak reserved", "without row checkpointing", "sink_ratio"):
+        assert part in out, part
+    assert train_py.main(["--profile", "cpu_tiny", "--plan"]) == 0  # this machine
+    assert "planned for cpu (this machine)" in capsys.readouterr().out
+
+
+def test_on_a_gpu_the_plan_says_whether_it_fits_the_card_or_its_cap(monkeypatch):
+    from minagi import plan as plan_module
+    monkeypatch.setattr(plan_module, "local_target", lambda: (TARGETS["sm90"], 24 * 2 ** 30))  # a 24 GiB card
+    assert "does NOT fit: peak reserved" in plan_module.plan_report(load_config("h200"), "h200")
+    assert "fits: peak reserved" in plan_module.plan_report(load_config("strix_large"), "strix_large")
+    capped = plan_module.plan_report(load_config("h200_offload"), "h200_offload", "sm90")
+    assert "(memory.gpu_cap_gib)" in capped and "planned for sm90 (this machine)" in capped
+    other = plan_module.plan_report(load_config("h200"), "h200", "rocm")  # another kind: no verdict for this card
+    assert not any(line.startswith(("fits:", "does NOT fit:")) for line in other.splitlines())
+    assert "planned for rocm;" in other
+
+
+def test_the_plan_says_what_each_setting_saves():
+    h200 = load_config("h200")
+    base = plan_memory(h200)
+    parts = lambda plan: {p.name: p.bytes for p in plan.parts}  # noqa: E731
+    lean = plan_memory(load_config("h200", ["train.optimizer_states=bf16"]))
+    assert parts(lean)["optimizer states"] * 2 == parts(base)["optimizer states"]
+    eager = plan_memory(load_config("h200", ["train.compile=false"]))  # row checkpointing is not compiled whole
+    checkpointed = plan_memory(load_config("h200", ["train.checkpoint_rows=true", "train.compile=false"]))
+    assert checkpointed.peak_allocated < eager.peak_allocated / 3
+    accumulated = plan_memory(load_config("strix_large_accum"))  # h200's step as 16 x 16
+    assert accumulated.peak_allocated < base.peak_allocated / 3
+    assert parts(accumulated)["gradients"] == 4 * weight_counts(h200, 256)["trainable"]  # whole all step
+    two_ranks = plan_memory(h200, world_size=2)
+    assert parts(two_ranks)["activations"] < parts(base)["activations"] * 0.55
+    sharded = plan_memory(h200, expert_shards=8)  # the seam a sharded run fills in
+    assert parts(sharded)["optimizer states"] < parts(base)["optimizer states"] / 4
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["experts.frozen=true", "experts.lora_rank=8", "experts.blocksize=32"],
+    ["experts.frozen=true", "experts.blocksize=32", "experts.double_quant=true"],
+    ["experts.frozen=true", "experts.quant=none"], ["model.mlp=dense"]])
+def test_the_weights_it_counts_are_the_models(extra):
+    cfg = load_config(None, ["model.d_model=64", "model.n_heads=4", "pool.n_experts=8", "pool.d_expert=32", *extra])
+    model = build_model(cfg.model, cfg.pool, 50, CPU, dense_width=cfg.dense_width, experts=cfg.experts)
+    counts = weight_counts(cfg, 50)
+    assert counts["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counts["stored"] == sum(s.stored_bytes() for s in frozen_stacks(model).values())
+
+
+def _saved_bytes(cfg, dtype: torch.dtype) -> int:
+    """Bytes autograd saves for backward in one forward of `cfg` (weights excluded)."""
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.pool, 96, CPU, dense_width=cfg.dense_width, experts=cfg.experts, dtype=dtype)
+    model.train()
+    x, y = (torch.randint(0, 96, (cfg.train.batch_size, cfg.model.context)) for _ in range(2))
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(x, y)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision,extra", [
+    ("bf16", ["pool.dispatch=native"]), ("fp32", ["pool.dispatch=native"]), ("bf16", ["pool.dispatch=loop"]),
+    ("bf16", ["pool.dispatch=native", "pool.top_k=1", "pool.z_loss_coef=0.001", "pool.expert_dropout=0.1"]),
+    ("bf16", ["pool.dispatch=native", "model.dropout=0.1"]), ("bf16", ["model.mlp=dense"]),
+    ("bf16", ["pool.dispatch=native", "experts.frozen=true", "experts.lora_rank=8", "experts.blocksize=32"]),
+    ("bf16", ["pool.dispatch=native", "experts.frozen=true", "experts.blocksize=32"])])
+def test_a_rows_saved_tensors_are_what_autograd_saves_on_the_cpu(precision, extra):
+    # A row's share: two rows' saved bytes less one row's (the embedding and head cancel out).
+    sets = ["model.d_model=64", "model.n_heads=4", "model.context=32", "pool.n_experts=8", "pool.top_k=2",
+            "pool.d_expert=32", "train.batch_size=2", f"train.precision={precision}", *extra]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    measured = (_saved_bytes(load_config(None, [*sets, "model.n_rows=2"]), dtype)
+                - _saved_bytes(load_config(None, [*sets, "model.n_rows=1"]), dtype))
+    s = _resolve(load_config(None, sets), TARGETS["cpu"], 1, 96)
+    planned = sum(row_saved(s).values()) + weight_copies(s)
+    assert planned == pytest.approx(measured, rel=0.003), (planned, measured)  # within 1 byte a character
