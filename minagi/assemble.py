@@ -8,17 +8,16 @@ wrap its training forward here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from . import devices, distributed
-from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
+from . import devices, distributed, parallel
+from .checkpoint import Checkpoint, restore_rng_state
 from .config import Config, ConfigError
-from .frozen import frozen_stacks
-from .loading import load_weights
 from .model import CharLM, build_model
 from .offload import OffloadStager
 from .schedule import Schedule, as_function
@@ -32,6 +31,7 @@ def check_world_size(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
                           f"multiple of the {world_size} ranks (--nproc-per-node, or torchrun --nproc_per_node); use e.g. "
                           f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+    parallel.check_layout(cfg, world_size)
 
 
 @dataclass
@@ -47,6 +47,9 @@ class Training:
     params: list[Tensor]
     dropout_seed: int | None = None  # any dropout: the base of each step's seed (train.seed and rank)
     stager: OffloadStager | None = None  # experts.offload = "cpu"
+    # The layout's clipping, saving and loading (minagi/parallel.py): the whole model's on every rank
+    # under DDP, gathered and split by every rank together under FSDP or expert parallelism.
+    parallel: parallel.Parallel = dataclasses.field(default_factory=parallel.Parallel)
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (a Ctrl-C in between waits for that: minagi.trainer).
     updating: bool = False
@@ -54,42 +57,35 @@ class Training:
 
 def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
                    init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
-    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers), the
-    optimizer and schedule; DDP and compile wrap the training forward. `init_frozen` False: frozen
-    stacks are left to be loaded (resume, --init)."""
+    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers, this
+    rank's expert slices), the optimizer and schedule; DDP or FSDP (minagi/parallel.py) and compile wrap
+    the training forward. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     devices.check_compiler(tc.compile, device)
+    layout = parallel.Layout(cfg, world_size, device)  # the meshes and the experts' exchange, if any
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width,
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
-                        compiled_regions=tc.compile == "rows", log=log)
+                        compiled_regions=tc.compile == "rows", log=log, exchange=layout.exchange)
+    forward, wrapped = parallel.wrap(model, layout, device)  # FSDP shards the parameters: before the optimizer
     optimizer = torch.optim.AdamW(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                   betas=(tc.beta1, tc.beta2), fused=device.type == "cuda")
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
-    forward = model
-    if world_size > 1:
-        # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
-        frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
-        forward = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
     forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile is True else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
-    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager)
+    return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager, wrapped)
 
 
 def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
     """Model, optimizer, scheduler and RNG from a training checkpoint, and the schedule the run goes on
     with (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
     source = ckpt.source or "checkpoint"
-    load_weights(training.model, ckpt.model, source)
-    try:
-        training.optimizer.load_state_dict(ckpt.optimizer)
-        training.scheduler.load_state_dict(ckpt.scheduler)
-    except (KeyError, ValueError) as e:  # torch's own words, e.g. a parameter group of another size
-        raise CheckpointError(f"{source}: the optimizer state does not fit the model ({e})") from None
+    training.parallel.load_states(training.model, training.optimizer, ckpt.model, ckpt.optimizer, source)
+    training.scheduler.load_state_dict(ckpt.scheduler)
     planned, step = ckpt.schedule, ckpt.step
     schedule = planned.extended(step, training.schedule.total)
     training.schedule = schedule

@@ -154,10 +154,7 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
     with devices.autocast(device):
         out = training.forward(x, y)
     (out.loss + out.aux_loss).backward()
-    if grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(training.params, grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in training.params if p.grad is not None])
+    norm = training.parallel.clip_grads(training.params, grad_clip)  # the whole model's, however it is split
     stats = torch.stack([out.loss.detach().float(), out.aux_loss.detach().float(), norm.detach().float()])
     if meanwhile is not None:
         meanwhile()
@@ -240,10 +237,14 @@ class Trainer:
         self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
                                   best_heldout_loss=self.state.best)
 
-    def _checkpoint(self) -> Checkpoint:
-        """The run as it stands: what last.pt holds."""
+    def _checkpoint(self) -> Checkpoint | None:
+        """The run as it stands, what last.pt holds, on rank 0 (None elsewhere). Under FSDP or expert
+        parallelism every rank gathers it together (minagi/parallel.py), so every rank calls this."""
         t, state = self.training, self.state
-        return Checkpoint(model=t.model.state_dict(), optimizer=t.optimizer.state_dict(),
+        states = t.parallel.full_states(t.model, t.optimizer, self.is_main)
+        if states is None:
+            return None
+        return Checkpoint(model=states[0], optimizer=states[1],
                           scheduler=t.scheduler.state_dict(), rng=capture_rng_state(), config=self.cfg,
                           vocab=self.corpus.vocab, corpus=CorpusSummary.of(self.corpus), step=state.step,
                           best_heldout_loss=state.best, run_name=self.run_name, meter=state.meter(),
@@ -357,8 +358,9 @@ class Trainer:
         self.interval = Interval()
         result = self.result
         result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, state.best
+        ckpt = self._checkpoint()  # collectives under FSDP or expert parallelism
         if self.is_main:
-            self.owed = (self._checkpoint(), record, improved)
+            self.owed = (ckpt, record, improved)
             self.folder.write_evaluation(*self.owed)  # from here on, Ctrl-C finishes these writes
             self.owed = None
         self.say(f"step {state.step}/{self.cfg.train.steps}: train {record['train_loss']:.4f} | held-out "
@@ -384,6 +386,12 @@ class Trainer:
             self.say(f"interrupted during the update of step {state.step + 1}; {self.folder.last} is unchanged")
             return
         if not self.is_main:
+            return
+        if self.owed is None and self.training.parallel.sharded:
+            # Gathering the state is a collective, and the interrupt may have stopped the ranks in
+            # different places: a gather could wait for ever.
+            self.say(f"interrupted at step {state.step}: sharded (train.parallel = fsdp or expert parallelism), "
+                     f"so nothing was gathered; {self.folder.kept()}")
             return
         try:
             if self.owed is not None:  # stopped while writing an evaluation's files: finish them
