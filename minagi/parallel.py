@@ -208,7 +208,7 @@ class Sharded(Parallel):
 
     # ---------------------------------------------------------------- saving and loading
 
-    def _whole(self, value, expert: bool, is_main: bool):
+    def whole(self, value, expert: bool, is_main: bool):
         """One tensor of the state as one process holds it (rank 0: a CPU copy; None elsewhere)."""
         if not isinstance(value, Tensor):
             return value
@@ -222,10 +222,10 @@ class Sharded(Parallel):
 
     def full_states(self, model, optimizer, is_main):
         """Gathered by every rank, tensor by tensor (the GPU holds one whole tensor at a time)."""
-        model_state = {k: self._whole(v, k in self.slices, is_main) for k, v in model.state_dict().items()}
+        model_state = {k: self.whole(v, k in self.slices, is_main) for k, v in model.state_dict().items()}
         saved = optimizer.state_dict()
         experts = self._expert_indices(optimizer)
-        state = {i: {k: self._whole(v, i in experts, is_main) for k, v in s.items()}
+        state = {i: {k: self.whole(v, i in experts, is_main) for k, v in s.items()}
                  for i, s in saved["state"].items()}
         return (model_state, {**saved, "state": state}) if is_main else None
 
