@@ -31,3 +31,15 @@ def test_a_corpus_that_is_not_there_is_one_line_and_exit_2(tmp_path, capsys):
     assert bench_train.main(["--device", "cpu", "--profiles", "cpu_tiny", "--data", str(tmp_path / "none.txt")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_train: data path") and "none.txt" in err and err.count("\n") == 1
+
+
+def test_bench_measures_fsdp_in_one_process_on_a_one_rank_group_it_then_leaves(tmp_path, capsys):
+    import torch.distributed as dist
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--profiles", "cpu_tiny", "--steps", "2", "--warmup", "1", "--json", str(out),
+            *[a for item in TINY + ["train.parallel=fsdp"] for a in ("--set", item)]]
+    assert bench_train.main(args) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["parallel"] == "fsdp" and r["sharded"] and r["chars_per_s"] > 0 and r["syncs_per_step"] == 0
+    assert "| cpu_tiny (fsdp) | off |" in capsys.readouterr().out
+    assert not dist.is_initialized()  # the 1-rank group was the measurement's alone
