@@ -288,3 +288,43 @@ def _whole_shape(value: Tensor, expert: bool, ep: int) -> torch.Size:
     shape = value.shape
     return torch.Size([shape[0] * ep, *shape[1:]]) if expert else shape
 
+
+
+# ---------------------------------------------------------------------------- memory per rank, by formula
+
+def model_bytes_per_rank(cfg: Config, world_size: int, vocab: int = 96) -> dict[str, int]:
+    """What each rank holds for the model's training state under cfg's layout on `world_size` ranks, by
+    formula (docs/multi_gpu.md; activations apart: they scale with the characters a rank trains).
+
+    states: 16 bytes a trainable parameter (fp32 weight, gradient, AdamW's two moments), all of them on
+    every rank under ddp, 1/W of them under fsdp, an expert slice's (1/N of the card) under expert
+    parallelism, replicated over its W/N replicas; frozen stacks: their stored bytes on every rank.
+    gathered (fsdp): the fp32 weights and gradients of the row in use and of the one prefetched (8
+    bytes a parameter, two rows; expert slices are never gathered). casts (CUDA): each expert stack
+    multiplied in bf16 (2 bytes a weight, kept for backward by every row without row checkpointing,
+    by one with it) and its bf16 gradient (2 bytes, one row). The --plan of the small-cards work can
+    take this as its world-size seam.
+    """
+    m, p, tc = cfg.model, cfg.pool, cfg.train
+    w, ep = world_size, tc.expert_parallel
+    pooled = m.mlp == "pooled"
+    card = 3 * m.d_model * p.d_expert * p.n_experts if pooled else 3 * m.d_model * cfg.dense_width
+    frozen = pooled and cfg.experts.frozen
+    dense_row = 4 * m.d_model ** 2 + 2 * m.d_model + (m.d_model * p.n_experts if pooled else 0)
+    lora = 0
+    if frozen and cfg.experts.lora_rank:  # A [E, I, r] and B [E, r, O] of gate_up (D -> 2F) and down (F -> D)
+        lora = cfg.experts.lora_rank * p.n_experts * (m.d_model + 2 * p.d_expert + p.d_expert + m.d_model)
+    experts_row = 0 if frozen else card // (ep if pooled else 1)       # trainable experts a rank holds
+    row = dense_row + lora + (0 if ep > 1 else experts_row)           # what FSDP shards of a row
+    root = 2 * vocab * m.d_model + m.d_model
+    shard = w if tc.parallel == "fsdp" else 1
+    states = 16 * (m.n_rows * row + root) // shard + 16 * (m.n_rows * experts_row if ep > 1 else 0)
+    if frozen:  # NF4: 4 bits a weight and an fp32 absmax a block (double quantization not counted)
+        states += m.n_rows * card * (cfg.experts.blocksize // 2 + 4) // cfg.experts.blocksize \
+            if cfg.experts.quant == "nf4" else m.n_rows * card * 2
+    gathered = 2 * 8 * row if tc.parallel == "fsdp" and w > 1 else 0
+    per_row_cast = 2 * (card // ep if not frozen else card)
+    casts = per_row_cast * (1 if tc.checkpoint_rows else m.n_rows) + per_row_cast
+    params = m.n_rows * (dense_row + lora + (0 if frozen else card)) + root
+    return {"params": params, "states": states,  # params: the trainable ones "gathered": gathered, "casts": casts,
+            "total": states + gathered + casts}

@@ -118,7 +118,8 @@ def scenario(name: str, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, VOCAB, (4, 16), generator=g), torch.randint(0, VOCAB, (4, 16), generator=g))
                for _ in range(5)]
-    result = {"grad_diff": first_gradients(ref, par, *batches[0], rank, world)}
+    result = {"grad_diff": first_gradients(ref, par, *batches[0], rank, world),
+              "local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in par.params)}
     dequant_summary(par.model, 1)  # the gradient check's dequants are not the steps'
     result["steps"] = steps(ref, par, batches[:3], 0, rank, world)
     result["dequants"] = dequant_summary(par.model, 3)

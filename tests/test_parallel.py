@@ -244,3 +244,36 @@ def test_an_expert_slice_draws_the_whole_card_and_keeps_its_experts():
         assert part.n_experts == 2 and torch.rand(()) == after_whole  # the same random numbers used
         assert torch.equal(part.gate_up, whole.gate_up[first:first + 2])
         assert torch.equal(part.down, whole.down[first:first + 2])
+
+
+# ------------------------------------------------------------------------------ memory per rank, by formula
+
+H200_GIB = 139  # what one H200 lends a process (of its 141 GB)
+
+
+@pytest.mark.parametrize("sets", [[], ["model.mlp=dense"], ["experts.frozen=true", "experts.lora_rank=8"]])
+def test_the_memory_formula_counts_the_parameters_a_model_has(sets):
+    cfg = load_config(None, ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", "pool.n_experts=4",
+                             "pool.d_expert=32", "experts.blocksize=32", *sets])
+    from minagi.model import build_model
+    model = build_model(cfg.model, cfg.pool, 96, "cpu", dense_width=cfg.dense_width, experts=cfg.experts)
+    counted = parallel.model_bytes_per_rank(cfg, 1)
+    trainable = sum(p.numel() for p in model.parameters())
+    assert counted["params"] == trainable
+    stored = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".experts." in n)
+    assert counted["states"] == 16 * trainable + stored  # frozen stacks: their NF4 bytes, replicated
+
+
+@pytest.mark.parametrize("name", ["ep_grouped", "ep_rectangle_fsdp", "fsdp_dense"])
+def test_the_memory_formula_gives_the_states_a_rank_of_the_layout_holds(two, name):
+    from parallel_ranks import BASE, SCENARIOS, VOCAB
+    cfg = load_config(None, BASE + SCENARIOS[name])
+    assert parallel.model_bytes_per_rank(cfg, 2, vocab=VOCAB)["states"] == 16 * two[name]["local_numel"]
+
+
+def test_h200x8_fsdp_does_not_fit_one_h200_and_fits_eight_under_fsdp_or_expert_parallelism():
+    one = parallel.model_bytes_per_rank(load_config("h200x8_fsdp"), 1)
+    assert one["params"] > 9.7e9 and one["states"] / 2**30 > H200_GIB  # the state alone, before any activation
+    for ep in (1, 8):
+        eight = parallel.model_bytes_per_rank(load_config("h200x8_fsdp", [f"train.expert_parallel={ep}"]), 8)
+        assert eight["total"] / 2**30 < H200_GIB / 3  # room to spare for activations and the allocator
