@@ -326,5 +326,5 @@ def model_bytes_per_rank(cfg: Config, world_size: int, vocab: int = 96) -> dict[
     per_row_cast = 2 * (card // ep if not frozen else card)
     casts = per_row_cast * (1 if tc.checkpoint_rows else m.n_rows) + per_row_cast
     params = m.n_rows * (dense_row + lora + (0 if frozen else card)) + root
-    return {"params": params, "states": states,  # params: the trainable ones "gathered": gathered, "casts": casts,
+    return {"params": params, "states": states, "gathered": gathered, "casts": casts,  # params: trainable ones
             "total": states + gathered + casts}

@@ -277,3 +277,4 @@ def test_h200x8_fsdp_does_not_fit_one_h200_and_fits_eight_under_fsdp_or_expert_p
     for ep in (1, 8):
         eight = parallel.model_bytes_per_rank(load_config("h200x8_fsdp", [f"train.expert_parallel={ep}"]), 8)
         assert eight["total"] / 2**30 < H200_GIB / 3  # room to spare for activations and the allocator
+        assert (eight["gathered"] > 10 * 2**30) == (ep == 1)  # fsdp gathers rows; expert slices never are
