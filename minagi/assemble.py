@@ -3,8 +3,8 @@ and the same restored from a checkpoint (`restore_training`). Moved out of minag
 keeps the training state, the step, the evaluation and the loop.
 
 The model is built whole (`model.build_model`): row checkpointing, the replay pin, the offload
-stager and DDP's count reducers are part of it from its construction; only DDP and torch.compile
-wrap its training forward here.
+stager, DDP's count reducers and, under expert parallelism, this rank's expert slices are part of it
+from its construction; only DDP or FSDP (minagi/parallel.py) and torch.compile wrap it here.
 """
 from __future__ import annotations
 

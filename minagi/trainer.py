@@ -14,10 +14,12 @@ step's kernels run, before its loss is read). Every `eval_every` steps and at th
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved. Ctrl-C saves
 last.pt at the step reached (one during the optimizer update waits the milliseconds it takes).
 
-Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): `train.batch_size` stays the global
-batch: rank r trains on its `batch_size // world_size` rows of every step's batch, DDP averages the
-gradients, and the routing counts (balance term, aux-free bias, sink diagnostics) are summed over
-ranks, so N ranks train the run one process would. Rank 0 alone writes the run folder.
+Multi-process (DDP, FSDP2, expert parallelism, launched by torchrun; docs/multi_gpu.md):
+`train.batch_size` stays the global batch: rank r trains on its `batch_size // world_size` rows of
+every step's batch, the gradients are averaged (minagi/parallel.py), and the routing counts (balance
+term, aux-free bias, sink diagnostics) are summed over ranks, so N ranks train the run one process
+would. Rank 0 alone writes the run folder; under FSDP or expert parallelism every rank helps gather
+what it writes.
 """
 from __future__ import annotations
 
