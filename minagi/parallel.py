@@ -93,18 +93,21 @@ class Layout:
         # measure); ddp only with several ranks, as before.
         self.fsdp = cfg.train.parallel == "fsdp" and joined
         self.mesh = self.experts_mesh = self.exchange = None
-        if self.fsdp or self.ep > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-            self.mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+        if self.fsdp:
+            self.mesh = _mesh(device, (world_size,), ("dp",))
         if self.ep > 1:
-            self.experts_mesh = init_device_mesh(device.type, (world_size // self.ep, self.ep),
-                                                 mesh_dim_names=("edp", "ep"))
+            self.experts_mesh = _mesh(device, (world_size // self.ep, self.ep), ("edp", "ep"))
             self.exchange = ExpertExchange(self.experts_mesh.get_group("ep"), cfg.pool.n_experts)
 
     @property
     def sharded(self) -> bool:
         """Whether some tensor of the model is not whole on every rank (its state is gathered together)."""
         return self.fsdp or self.ep > 1
+
+
+def _mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...]):
+    from torch.distributed.device_mesh import init_device_mesh  # here: only once a process group is joined
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def expert_slices(model: nn.Module) -> dict[str, nn.Parameter]:
