@@ -57,7 +57,7 @@ from .experts import LocalExpertStack
 from .frozen import frozen_stacks
 from .loading import check_fits
 
-__all__ = ["Layout", "Parallel", "Sharded", "check_layout", "wrap"]
+__all__ = ["Layout", "Parallel", "Sharded", "check_layout", "expert_slices", "model_bytes_per_rank", "wrap"]
 
 
 def _fully_shard():
@@ -290,7 +290,6 @@ def _whole_shape(value: Tensor, expert: bool, ep: int) -> torch.Size:
     """A state-dict entry's shape in the whole model (a DTensor's is its global shape already)."""
     shape = value.shape
     return torch.Size([shape[0] * ep, *shape[1:]]) if expert else shape
-
 
 
 # ---------------------------------------------------------------------------- memory per rank, by formula
