@@ -123,6 +123,12 @@ def scenario(name: str, rank: int, world: int) -> dict:
     dequant_summary(par.model, 1)  # the gradient check's dequants are not the steps'
     result["steps"] = steps(ref, par, batches[:3], 0, rank, world)
     result["dequants"] = dequant_summary(par.model, 3)
+    # Frozen stacks' buffers: whole plain tensors on every rank, the same bytes as one process's.
+    ref_buffers = dict(ref.model.named_buffers())
+    whole = torch.tensor([type(b) is torch.Tensor and torch.equal(b, ref_buffers[n])
+                          for n, b in par.model.named_buffers() if ".experts." in n], dtype=torch.int32)
+    dist.all_reduce(whole, op=dist.ReduceOp.MIN)  # every rank's
+    result["frozen_whole"] = whole.bool().tolist()
     result["state_diff"] = state_diffs(ref, par, rank)
     # The whole state into a new layout (every rank reads the same file in a run: here, rank 0's gather).
     box = [par.parallel.full_states(par.model, par.optimizer, rank == 0)]

@@ -136,6 +136,8 @@ def test_a_sink_on_one_ranks_experts_trains_and_counts_as_one_process(two):
 
 
 def test_frozen_stacks_under_fsdp_are_replicated_and_the_replay_pin_still_keeps_its_dequant(two):
+    assert len(two["fsdp_frozen_pin"]["frozen_whole"]) == 2 * 2 * 2  # rows x stacks x (packed, absmax)
+    assert all(two["fsdp_frozen_pin"]["frozen_whole"])  # on each rank, not sharded
     dequants = two["fsdp_frozen_pin"]["dequants"]
     # 2 rows x (gate_up, down): under row checkpointing, forward + replay, the backward reads the pin.
     assert dequants["stacks"] == 4 and dequants["forward"] == dequants["replay"] == dequants["pinned"] == 4
