@@ -4,6 +4,7 @@
     python train.py --profile h200 --data shakespeare.txt --set train.steps=20000
     python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
+    torchrun --nproc_per_node=8 train.py --profile h200x8_fsdp ...   # FSDP2; --set train.expert_parallel=8
     python train.py --nproc-per-node 8 --profile h200 ...     # the same 8 ranks, launched by train.py
     python train.py --profile strix_large --plan              # will it fit? the predicted peak by part, then exit
 

@@ -3,23 +3,23 @@ and the same restored from a checkpoint (`restore_training`). Moved out of minag
 keeps the training state, the step, the evaluation and the loop.
 
 The model is built whole (`model.build_model`): row checkpointing, the replay pin, the offload
-stager and DDP's count reducers are part of it from its construction; only DDP and torch.compile
-wrap its training forward here. The optimizer is `optim.build_optimizer`'s (train.optimizer_states),
-the compute dtype train.precision's (`mlp.precision_dtype`), with torch's GradScaler for fp16.
+stager, DDP's count reducers and, under expert parallelism, this rank's expert slices are part of it
+from its construction; only DDP or FSDP (minagi/parallel.py) and torch.compile wrap it here. The
+optimizer is `optim.build_optimizer`'s (train.optimizer_states), the compute dtype train.precision's
+(`mlp.precision_dtype`), with torch's GradScaler for fp16.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from . import devices, distributed
-from .checkpoint import Checkpoint, CheckpointError, restore_rng_state
+from . import devices, distributed, parallel
+from .checkpoint import Checkpoint, restore_rng_state
 from .config import Config, ConfigError
-from .frozen import frozen_stacks
-from .loading import load_weights
 from .mlp import precision_dtype
 from .model import CharLM, build_model
 from .offload import OffloadStager
@@ -37,6 +37,7 @@ def check_world_size(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
                           f"multiple of the {world_size} ranks (--nproc-per-node, or torchrun --nproc_per_node); use e.g. "
                           f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+    parallel.check_layout(cfg, world_size)
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Training:
     scaler: torch.amp.GradScaler | None = None  # fp16: the loss scale
     ddp: torch.nn.parallel.DistributedDataParallel | None = None  # under `forward`, for no_sync
     balance_prepass: bool = False        # the balance term over the whole step needs its counts first
+    # The layout's clipping, saving and loading (minagi/parallel.py): the whole model's on every rank
+    # under DDP, gathered and split by every rank together under FSDP or expert parallelism.
+    parallel: parallel.Parallel = dataclasses.field(default_factory=parallel.Parallel)
     # Set by train_step when the update starts; the caller clears it once its own step counter agrees
     # with the parameters again (a Ctrl-C in between waits for that: minagi.trainer).
     updating: bool = False
@@ -64,28 +68,25 @@ class Training:
 
 def build_training(cfg: Config, vocab_size: int, device: torch.device, world_size: int, *, rank: int = 0,
                    init_frozen: bool = True, log: Callable[[str], None] = lambda msg: None) -> Training:
-    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers), the
-    optimizer and schedule; DDP and compile wrap the training forward. `init_frozen` False: frozen
-    stacks are left to be loaded (resume, --init)."""
+    """The model (built whole: row checkpointing, the replay pin, offload, DDP's count reducers, this
+    rank's expert slices), the optimizer and schedule; DDP or FSDP (minagi/parallel.py) and compile wrap
+    the training forward. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     devices.check_compiler(tc.compile, device)
     dtype = precision_dtype(tc.precision, device)
+    layout = parallel.Layout(cfg, world_size, device)  # the meshes and the experts' exchange, if any
     torch.manual_seed(tc.seed)
     model = build_model(cfg.model, cfg.pool, vocab_size, device, dense_width=cfg.dense_width,
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
-                        compiled_regions=tc.compile == "rows", log=log, dtype=dtype)
+                        compiled_regions=tc.compile == "rows", log=log, dtype=dtype, exchange=layout.exchange)
+    forward, wrapped = parallel.wrap(model, layout, device)  # FSDP shards the parameters: before the optimizer
     optimizer = build_optimizer(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                 betas=(tc.beta1, tc.beta2), states=tc.optimizer_states, device=device, seed=tc.seed)
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
-    ddp = None
-    if world_size > 1:
-        # Frozen stacks are the same on every rank and have no gradient: not DDP's to sync.
-        frozen_buffers = [f"{name}.{b}" for name, s in frozen_stacks(model).items() for b, _ in s.named_buffers()]
-        ddp = distributed.wrap_ddp(model, device, ignore=frozen_buffers)
-    forward = ddp if ddp is not None else model
+    ddp = forward if isinstance(forward, torch.nn.parallel.DistributedDataParallel) else None
     forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile is True else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
@@ -93,21 +94,18 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     prepass = (tc.accum_steps > 1 and cfg.model.mlp == "pooled" and cfg.pool.balance_coef > 0
                and cfg.pool.balance_scope == "step")
     return Training(model, forward, optimizer, scheduler, schedule, params, dropout_seed, model.stager,
-                    accum_steps=tc.accum_steps, dtype=dtype, scaler=scaler, ddp=ddp, balance_prepass=prepass)
+                    parallel=wrapped, accum_steps=tc.accum_steps, dtype=dtype, scaler=scaler, ddp=ddp,
+                    balance_prepass=prepass)
 
 
 def restore_training(training: Training, ckpt: Checkpoint) -> str | None:
     """Model, optimizer, scheduler and RNG from a training checkpoint, and the schedule the run goes on
     with (`Schedule.extended`). Returns a line saying what an extension does to the learning rate, else None."""
     source = ckpt.source or "checkpoint"
-    load_weights(training.model, ckpt.model, source)
-    try:
-        training.optimizer.load_state_dict(ckpt.optimizer)
-        training.scheduler.load_state_dict(ckpt.scheduler)
-        if training.scaler is not None and ckpt.scaler is not None:
-            training.scaler.load_state_dict(ckpt.scaler)
-    except (KeyError, ValueError) as e:  # torch's own words, e.g. a parameter group of another size
-        raise CheckpointError(f"{source}: the optimizer state does not fit the model ({e})") from None
+    training.parallel.load_states(training.model, training.optimizer, ckpt.model, ckpt.optimizer, source)
+    training.scheduler.load_state_dict(ckpt.scheduler)
+    if training.scaler is not None and ckpt.scaler is not None:
+        training.scaler.load_state_dict(ckpt.scaler)
     planned, step = ckpt.schedule, ckpt.step
     schedule = planned.extended(step, training.schedule.total)
     training.schedule = schedule

@@ -130,17 +130,19 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     atomic_write(Path(dst), write)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
     """The payload of a file written by save_checkpoint, as stored (`Checkpoint.load` reads a checkpoint);
     CheckpointError (one line naming the file) for a missing, truncated or corrupt file, a file that
-    is not a minagi checkpoint, or a newer format."""
+    is not a minagi checkpoint, or a newer format. `mmap`: tensors read from the file's pages as they
+    are used (torch.load(mmap=True)), so ranks of one machine that load one file share one copy in the
+    page cache (a sharded resume: every rank reads the whole model and keeps its shards)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: not a file (a checkpoint is one .pt file)")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:      # torch raises RuntimeError / UnpicklingError / EOFError / ... here
         detail = _one_line(e)
         if "Unsupported operand" in detail:  # not a pickle at all: random bytes, another format
@@ -258,8 +260,8 @@ class Checkpoint:
     source: str = ""                   # the file it was read from, for messages (not saved)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, map_location: Any = "cpu") -> "Checkpoint":
-        return cls.from_payload(load_checkpoint(path, map_location), str(path))
+    def load(cls, path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> "Checkpoint":
+        return cls.from_payload(load_checkpoint(path, map_location, mmap), str(path))
 
     @classmethod
     def from_payload(cls, payload: dict, source: str) -> "Checkpoint":

@@ -313,9 +313,13 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
     run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
+    # Past one process (docs/multi_gpu.md): "ddp", every rank a whole copy; "fsdp", each row and the
+    # embedding/head sharded over the ranks with FSDP2 (one process: no wrapper either way).
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    expert_parallel: int = 1  # N > 1: each rank holds n_experts / N experts, routed rows exchanged (all-to-all)
 
     def _validate(self) -> None:
-        self._at_least(1, "steps", "batch_size", "accum_steps", "eval_every", "eval_batches")
+        self._at_least(1, "steps", "batch_size", "accum_steps", "eval_every", "eval_batches", "expert_parallel")
         self._positive("lr")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be between 0 and 1")
@@ -413,6 +417,33 @@ class Config:
             raise ConfigError(f"experts.blocksize = {self.experts.blocksize} is impossible: an expert's "
                               f"{self.model.d_model} x {self.pool.d_expert} weights must fill whole NF4 blocks "
                               f"(a multiple of 2 x blocksize = {2 * self.experts.blocksize})", "experts.blocksize")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """What train.parallel and train.expert_parallel can run (the world size is checked at launch)."""
+        ep = self.train.expert_parallel
+        if self.train.parallel == "fsdp" and self.experts.offload != "none":
+            raise ConfigError("experts.offload = \"cpu\" with train.parallel = \"fsdp\": fully_shard moves every "
+                              "buffer of a row to the GPU, the pinned homes included; offloaded frozen stacks "
+                              "train under \"ddp\"", "experts.offload", ("train.parallel",))
+        if self.train.parallel == "fsdp" and self.train.optimizer_states != "fp32":
+            # AdamWBF16 keeps its moments as views of one flat buffer; FSDP2's DTensor shards are not.
+            raise ConfigError("train.optimizer_states = \"bf16\" with train.parallel = \"fsdp\" is not built: "
+                              "use \"fp32\" states, or \"ddp\"", "train.optimizer_states", ("train.parallel",))
+        if self.train.parallel == "fsdp" and self.train.precision == "fp16":
+            # torch's GradScaler unscales local tensors, not FSDP2's sharded gradients.
+            raise ConfigError("train.precision = \"fp16\" with train.parallel = \"fsdp\" is not built: use "
+                              "bf16 or fp32, or \"ddp\"", "train.precision", ("train.parallel",))
+        if ep == 1:
+            return
+        why = ("needs pooled rows: model.mlp is \"dense\"" if self.model.mlp == "dense" else
+               f"must divide pool.n_experts = {self.pool.n_experts}" if self.pool.n_experts % ep else
+               "splits trainable stacks only: frozen stacks (experts.frozen) are replicated on every rank"
+               if self.experts.frozen else
+               "needs dropless routing (pool.capacity_factor = 0): a capacity would be applied per rank, "
+               "before the exchange" if self.pool.capacity_factor > 0 else None)
+        if why is not None:
+            raise ConfigError(f"train.expert_parallel = {ep} {why}", "train.expert_parallel")
 
     @property
     def dense_width(self) -> int:
@@ -437,6 +468,8 @@ RESUMABLE_KEYS = (
     "experts.pin_floor_mib",
     "experts.offload",        # where the frozen stacks live between uses: the same weights
     "experts.prefetch",
+    "train.parallel",         # checkpoints hold the unwrapped, whole model whatever the layout
+    "train.expert_parallel",
 )
 
 # Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
            "init_process_group", "wrap_ddp", "is_shared_error", "launch_local",
-           "main_first", "mean_over_ranks", "process_group", "rank_info"]
+           "main_first", "mean_over_ranks", "one_rank_group", "process_group", "rank_info"]
 
 T = TypeVar("T")
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -145,6 +145,23 @@ def process_group(info: RankInfo, device: torch.device) -> Iterator[torch.device
     finally:
         if info.distributed:
             destroy_process_group()
+
+
+@contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (an in-memory store, no rendezvous, no environment), so
+    that FSDP2 can wrap a model in one process: what tools/bench_train.py measures its cost with.
+    Nothing when a group is joined already."""
+    if dist.is_initialized():
+        yield
+        return
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if cuda and device.index is not None else {}))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _active(world_size: int) -> bool:

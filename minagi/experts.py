@@ -33,7 +33,7 @@ from .frozen import FrozenExpertStack
 from .offload import OffloadStager
 from .recompute import PinPolicy
 
-__all__ = ["ExpertStack", "StackServices", "build_stack", "stack_services"]
+__all__ = ["ExpertStack", "LocalExpertStack", "StackServices", "build_stack", "stack_services"]
 
 
 class ExpertStack(nn.Module):
@@ -66,6 +66,24 @@ class ExpertStack(nn.Module):
         return self.gate_up.index_select(0, experts).to(dtype), self.down.index_select(0, experts).to(dtype)
 
 
+class LocalExpertStack(ExpertStack):
+    """Experts [first, first + count) of a card of `of` (expert parallelism: each rank holds a slice;
+    minagi/exchange.py sends it the rows of its experts). Its state-dict entries are the slice; the
+    checkpoint holds the whole card (minagi/parallel.py gathers and splits the expert dimension)."""
+
+    def __init__(self, of: int, first: int, count: int, d_model: int, d_expert: int):
+        super().__init__(count, d_model, d_expert)
+        self.of, self.first = of, first
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, down_std: float) -> None:
+        # The whole card drawn, the slice kept (a row's card at a time): the random numbers one
+        # process's stack draws, so the slice, and every parameter drawn after it, equal one process's.
+        for w, s in ((self.gate_up, std), (self.down, down_std)):
+            card = nn.init.normal_(w.new_empty(self.of, *w.shape[1:]), std=s)
+            w.copy_(card[self.first:self.first + w.shape[0]])
+
+
 @dataclass(frozen=True)
 class StackServices:
     """What a model's expert stacks are built with, made once per model (`stack_services`)."""
@@ -74,6 +92,7 @@ class StackServices:
     pin: PinPolicy | None = None          # frozen stacks under row checkpointing
     stager: OffloadStager | None = None   # experts.offload = "cpu"
     init: bool = True                     # False: frozen stacks are left to be loaded
+    local: tuple[int, int] | None = None  # expert parallelism: (first, count), the experts this rank holds
 
     @property
     def frozen(self) -> bool:
@@ -81,13 +100,15 @@ class StackServices:
 
 
 def stack_services(experts: ExpertsConfig | None, device: torch.device | str, *, checkpoint_rows: bool = False,
-                   init: bool = True, log: Callable[[str], None] | None = None) -> StackServices:
+                   init: bool = True, log: Callable[[str], None] | None = None,
+                   local: tuple[int, int] | None = None) -> StackServices:
     """The services of a model's stacks for `experts` on `device`: a pin policy where frozen rows are
     recomputed (the pin keeps a replay's dequant for backward; without a replay it has nothing to
-    keep), an offload stager where frozen stacks are homed on the CPU."""
+    keep), an offload stager where frozen stacks are homed on the CPU. `local`: the experts this rank
+    holds under expert parallelism (trainable stacks only: config.py refuses frozen ones)."""
     device = torch.device(device)
     if experts is None or not experts.frozen:
-        return StackServices(experts, device)
+        return StackServices(experts, device, local=local)
     pin = (PinPolicy(experts.replay_pin, int(experts.pin_floor_mib * 2**20), log=log)
            if checkpoint_rows else None)
     stager = OffloadStager(device, experts.prefetch) if experts.offload == "cpu" else None
@@ -98,6 +119,8 @@ def build_stack(services: StackServices, row: int, n_experts: int, d_model: int,
     """Row `row`'s expert stack: trainable, or frozen with its byte source, pin policy and name. Rows
     are built in order (an offload stager numbers them as they register)."""
     if not services.frozen:
+        if services.local is not None:
+            return LocalExpertStack(n_experts, *services.local, d_model, d_expert)
         return ExpertStack(n_experts, d_model, d_expert)
     return FrozenExpertStack(n_experts, d_model, d_expert, services.experts, services.device, init=services.init,
                              pin=services.pin, stager=services.stager, name=f"rows.{row}.mlp.experts")

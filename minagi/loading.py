@@ -18,10 +18,7 @@ def _names(keys: list[str]) -> str:
     return ", ".join(keys[:_LISTED]) + (f" (+{len(keys) - _LISTED} more)" if len(keys) > _LISTED else "")
 
 
-def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> None:
-    """`model.load_state_dict(state)`, strict; CheckpointError naming the tensors missing from `state`,
-    the ones the model has no place for, or the first whose shape differs."""
-    expected = model.state_dict().keys()
+def _check_names(expected, state: dict, source: str | Path) -> None:
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]
     if missing or unexpected:
@@ -29,6 +26,22 @@ def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> Non
                 ([f"has {_names(unexpected)}, which the model has no place for"] if unexpected else [])
         raise CheckpointError(f"{source}: the weights do not fit the model its config describes: it "
                               f"{'; it '.join(parts)}")
+
+
+def check_fits(shapes: dict[str, torch.Size], state: dict, source: str | Path) -> None:
+    """CheckpointError unless `state` holds exactly the tensors `shapes` names, each of its shape (a
+    sharded model's whole shapes: minagi/parallel.py, which loads it in pieces)."""
+    _check_names(shapes.keys(), state, source)
+    for key, shape in shapes.items():
+        if tuple(state[key].shape) != tuple(shape):
+            raise CheckpointError(f"{source}: the weights do not fit the model its config describes ({key} is "
+                                  f"{list(state[key].shape)}, the model's is {list(shape)})")
+
+
+def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> None:
+    """`model.load_state_dict(state)`, strict; CheckpointError naming the tensors missing from `state`,
+    the ones the model has no place for, or the first whose shape differs."""
+    _check_names(model.state_dict().keys(), state, source)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:  # torch's header line, then one line per tensor ("size mismatch for ...")

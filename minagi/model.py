@@ -117,12 +117,14 @@ class CharLM(nn.Module):
     expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
     recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP);
     `compiled_regions`, each row's attention half (and a dense twin's MLP) compiled (train.compile = "rows").
-    `stager`: the offload stager the frozen stacks are staged by (None without offload).
+    `stager`: the offload stager the frozen stacks are staged by (None without offload). `exchange`:
+    expert parallelism's (minagi/exchange.py; `stacks` then builds this rank's slices of the cards).
     """
 
     def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
                  dense_width: int = 0, *, stacks: StackServices | None = None, checkpoint_rows: bool = False,
-                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False):
+                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False,
+                 exchange=None):
         super().__init__()
         self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
         stacks = stacks if stacks is not None else StackServices()
@@ -133,7 +135,7 @@ class CharLM(nn.Module):
             if cfg.mlp != "pooled":
                 return DenseMLP(cfg.d_model, dense_width or pool.dense_width)
             experts = build_stack(stacks, row, pool.n_experts, cfg.d_model, pool.d_expert)
-            return PooledMLP(cfg.d_model, pool, path, experts, count_reducer)
+            return PooledMLP(cfg.d_model, pool, path, experts, count_reducer, exchange)
         self.embed_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.rows = nn.ModuleList(Row(cfg, lambda i=i: make_mlp(i), checkpoint_rows, compiled_regions)
                                   for i in range(cfg.n_rows))
@@ -199,7 +201,8 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
                 init_frozen: bool = True, checkpoint_rows: bool = False,
                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False,
-                log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> CharLM:
+                log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None,
+                exchange=None) -> CharLM:
     """Build on `device`, resolving dispatch `auto` once for it and the compute dtype `dtype` (None:
     `mlp.device_compute_dtype`'s; a run's is its train.precision).
 
@@ -209,12 +212,14 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     `experts.stack_services`; `init_frozen` False leaves them to be loaded.
     `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
     `compiled_regions`: the rows' attention halves (and dense MLPs) through torch.compile, dispatch eager.
+    `exchange`: expert parallelism (minagi/exchange.py): each pool holds this rank's experts only.
     """
     device = torch.device(device)
     path = resolve_dispatch(pool.dispatch, device, dtype or device_compute_dtype(device), compiled)
-    stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log)
+    stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log,
+                            local=exchange.local_experts if exchange is not None else None)
     model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
-                   count_reducer=count_reducer, compiled_regions=compiled_regions).to(device)
+                   count_reducer=count_reducer, compiled_regions=compiled_regions, exchange=exchange).to(device)
     if stacks.stager is not None and log is not None:
         homed = sum(s.stored_bytes() for row in stacks.stager.rows for s in row)
         log(f"offload: {len(stacks.stager.rows)} rows of frozen stacks homed in "

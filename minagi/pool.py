@@ -40,7 +40,8 @@ class PooledMLP(nn.Module):
     The balance term `balance_coef * E * sum_i f_i * P_i` uses f_i, the actual fraction of routed
     rows of expert i (summed across ranks by `count_reducer` when given: DDP), and P_i, the mean
     router probability. `experts`: the row's stack (minagi/experts.py `build_stack`), trainable by
-    default.
+    default. `exchange`: expert parallelism's (minagi/exchange.py), where `experts` holds this rank's
+    slice of the card and the routed rows run on the ranks that hold their experts.
 
     Shared experts (`pool.shared_experts` = S > 0, DeepSeekMoE, arXiv 2401.06066): S always-on SwiGLU
     experts of width F, each with weight 1, added to the routed output. S SwiGLUs of width F summed are
@@ -51,12 +52,13 @@ class PooledMLP(nn.Module):
     """
 
     def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
-                 count_reducer: Callable[[Tensor], Tensor] | None = None):
+                 count_reducer: Callable[[Tensor], Tensor] | None = None, exchange=None):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
                              f"dispatch.resolve_dispatch); got {path!r}")
         self.cfg, self.path, self.count_reducer = cfg, path, count_reducer
+        self.exchange = exchange  # expert parallelism (minagi/exchange.py): `experts` holds this rank's slice
         router = Router(d_model, cfg.n_experts, cfg.top_k, cfg.aux_free_bias, cfg.router_score)
         # The stack is registered first: parameters() keeps the order of checkpoints of format 1.
         self.experts = experts if experts is not None else ExpertStack(cfg.n_experts, d_model, cfg.d_expert)
@@ -137,6 +139,8 @@ class PooledMLP(nn.Module):
         """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D].
         `path`: another dispatch path than the built one (tests and benchmarks compare them)."""
         path = path or self.path
+        if self.exchange is not None:  # the rows run where their experts are, and come back
+            return self.exchange.experts_forward(self, x_ND, expert_ids_NK, gates_NK, path)
         dtype = compute_dtype(x_ND)
         plan = make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0], dropless))
         # The host sync of a padded path, once per forward: a checkpoint replay takes the forward's layout.

@@ -5,6 +5,7 @@ corpus that moved is pointed at with --data."""
 from __future__ import annotations
 
 import glob
+import os
 from pathlib import Path
 
 from .checkpoint import Checkpoint, CheckpointError
@@ -59,7 +60,10 @@ def open_checkpoint(run_dir: Path, cfg: Config) -> Checkpoint:
         raise CheckpointError(f"{path}: no such checkpoint file: the run stopped before its first checkpoint "
                               f"(step {min(cfg.train.eval_every, cfg.train.steps)}), so there is nothing to "
                               f"resume; {_start_again(run_dir)}")
-    ckpt = Checkpoint.load(path, map_location="cpu")
+    # A sharded layout's ranks each read the whole file: mapped, one machine's ranks share its pages
+    # (POSIX: on Windows a mapped file could not be replaced by the next save).
+    sharded = cfg.train.parallel == "fsdp" or cfg.train.expert_parallel > 1
+    ckpt = Checkpoint.load(path, map_location="cpu", mmap=sharded and os.name == "posix")
     ckpt.check_trains()
     _check_resumed_config(cfg, ckpt.config, str(path))
     # At train.steps with its evaluation still due (Ctrl-C stopped it), the resume only runs that.

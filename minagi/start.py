@@ -123,6 +123,10 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
     training = build_training(cfg, corpus.vocab.size, device, world_size, rank=rank,
                               init_frozen=ckpt is None and start is None, log=say)
     if start is not None:
+        if training.parallel.sharded:  # init_from_checkpoint writes whole tensors into the model's own
+            raise ConfigError(f"--init {init}: a new run from a checkpoint's weights starts whole, not sharded: "
+                              "start it with train.parallel = \"ddp\" and train.expert_parallel = 1 (both may "
+                              "change when it resumes)")
         fresh = init_from_checkpoint(training.model, start, init)
         say(f"init: weights of {init} (step {'?' if start.step is None else start.step})"
             + (f"; {len(fresh)} adapter tensors start fresh" if fresh else ""))

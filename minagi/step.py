@@ -149,9 +149,7 @@ def _grad_norm(training: Training, grad_clip: float) -> Tensor:
     """The step's gradient norm before clipping (fp16: of the unscaled gradients), clipped to `grad_clip`."""
     if training.scaler is not None:
         training.scaler.unscale_(training.optimizer)
-    if grad_clip > 0:
-        return torch.nn.utils.clip_grad_norm_(training.params, grad_clip)
-    return torch.nn.utils.get_total_norm([p.grad for p in training.params if p.grad is not None])
+    return training.parallel.clip_grads(training.params, grad_clip)  # the whole model's, however it is split
 
 
 def _check_loss_scale(training: Training, step: int) -> None:

@@ -15,10 +15,12 @@ step's kernels run, before its loss is read). Every `eval_every` steps and at th
 held-out loss, a history record, last.pt, and best.pt when the held-out loss improved. Ctrl-C saves
 last.pt at the step reached (one during the optimizer update waits the milliseconds it takes).
 
-Multi-process (DDP, launched by torchrun; docs/multi_gpu.md): `train.batch_size` stays the global
-batch of one forward: rank r trains on its `batch_size // world_size` rows of every micro-batch, DDP averages the
-gradients, and the routing counts (balance term, aux-free bias, sink diagnostics) are summed over
-ranks, so N ranks train the run one process would. Rank 0 alone writes the run folder.
+Multi-process (DDP, FSDP2, expert parallelism, launched by torchrun; docs/multi_gpu.md):
+`train.batch_size` stays the global batch: rank r trains on its `batch_size // world_size` rows of
+every step's batch, the gradients are averaged (minagi/parallel.py), and the routing counts (balance
+term, aux-free bias, sink diagnostics) are summed over ranks, so N ranks train the run one process
+would. Rank 0 alone writes the run folder; under FSDP or expert parallelism every rank helps gather
+what it writes.
 """
 from __future__ import annotations
 
@@ -193,10 +195,14 @@ class Trainer:
         self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
                                   best_heldout_loss=self.state.best)
 
-    def _checkpoint(self) -> Checkpoint:
-        """The run as it stands: what last.pt holds."""
+    def _checkpoint(self) -> Checkpoint | None:
+        """The run as it stands, what last.pt holds, on rank 0 (None elsewhere). Under FSDP or expert
+        parallelism every rank gathers it together (minagi/parallel.py), so every rank calls this."""
         t, state = self.training, self.state
-        return Checkpoint(model=t.model.state_dict(), optimizer=t.optimizer.state_dict(),
+        states = t.parallel.full_states(t.model, t.optimizer, self.is_main)
+        if states is None:
+            return None
+        return Checkpoint(model=states[0], optimizer=states[1],
                           scheduler=t.scheduler.state_dict(), rng=capture_rng_state(), config=self.cfg,
                           vocab=self.corpus.vocab, corpus=CorpusSummary.of(self.corpus), step=state.step,
                           best_heldout_loss=state.best, run_name=self.run_name, meter=state.meter(),
@@ -310,8 +316,9 @@ class Trainer:
         self.interval = Interval()
         result = self.result
         result.heldout_loss, result.heldout_bpc, result.best_heldout_loss = heldout, heldout / LN2, state.best
+        ckpt = self._checkpoint()  # collectives under FSDP or expert parallelism
         if self.is_main:
-            self.owed = (self._checkpoint(), record, improved)
+            self.owed = (ckpt, record, improved)
             self.folder.write_evaluation(*self.owed)  # from here on, Ctrl-C finishes these writes
             self.owed = None
         self.say(f"step {state.step}/{self.cfg.train.steps}: train {record['train_loss']:.4f} | held-out "
@@ -343,6 +350,12 @@ class Trainer:
             self.say(f"interrupted during the update of step {state.step + 1}; {self.folder.last} is unchanged")
             return
         if not self.is_main:
+            return
+        if self.owed is None and self.training.parallel.sharded:
+            # Gathering the state is a collective, and the interrupt may have stopped the ranks in
+            # different places: a gather could wait for ever.
+            self.say(f"interrupted at step {state.step}: sharded (train.parallel = fsdp or expert parallelism), "
+                     f"so nothing was gathered; {self.folder.kept()}")
             return
         try:
             if self.owed is not None:  # stopped while writing an evaluation's files: finish them

@@ -45,3 +45,15 @@ def test_flops_per_char_count_the_shared_experts_and_match_the_twins_at_equal_ac
     assert bench_train.flops_per_char(twin) == bench_train.flops_per_char(shared) - router
     one_more = load_config(None, [*base, "pool.top_k=3", "pool.shared_experts=2"])
     assert bench_train.flops_per_char(one_more) - bench_train.flops_per_char(shared) == 6 * 2 * 3 * 64 * 16
+
+
+def test_bench_measures_fsdp_in_one_process_on_a_one_rank_group_it_then_leaves(tmp_path, capsys):
+    import torch.distributed as dist
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--profiles", "cpu_tiny", "--steps", "2", "--warmup", "1", "--json", str(out),
+            *[a for item in TINY + ["train.parallel=fsdp"] for a in ("--set", item)]]
+    assert bench_train.main(args) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["parallel"] == "fsdp" and r["sharded"] and r["chars_per_s"] > 0 and r["syncs_per_step"] == 0
+    assert "| cpu_tiny (fsdp) | off |" in capsys.readouterr().out
+    assert not dist.is_initialized()  # the 1-rank group was the measurement's alone

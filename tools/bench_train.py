@@ -4,6 +4,7 @@
     python tools/bench_train.py --profiles h200 --compile on --trace            # + where the step's time goes
     python tools/bench_train.py --profiles h200 --compile on --data "" --warmup 300   # routing after training
     python tools/bench_train.py --device cpu --profiles cpu_tiny --steps 3 --warmup 1   # a smoke run
+    python tools/bench_train.py --profiles h200 --compile off on --set train.parallel=fsdp   # FSDP2's cost, one GPU
 
 MFU = model FLOPs per character x characters per second / the bf16 matmul rate (an 8192^3 product
 timed in the same run). Model FLOPs per character (nanoGPT's convention): 6 x the parameters a
@@ -27,6 +28,7 @@ optimizer's state tensors. A step's gradient adds 4 more (fp32) while it runs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -40,6 +42,7 @@ from minagi.config import load_config  # noqa: E402
 from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
 from minagi.devices import host_syncs  # noqa: E402
 from minagi.optim import state_bytes  # noqa: E402
+from minagi.distributed import one_rank_group  # noqa: E402
 from minagi.trainer import build_training, train_step  # noqa: E402
 
 VOCAB = 96
@@ -161,6 +164,13 @@ _COMPILE = {"off": "false", "on": "true", "rows": "rows"}  # --compile -> train.
 def run(profile: str, compile_on: str, args, device: torch.device, rate: float | None, corpus=None) -> dict:
     cfg = load_config(profile, [f"train.compile={_COMPILE[compile_on]}", f"train.device={device.type}",
                                 f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=1", *args.sets])
+    # train.parallel = "fsdp": FSDP2 around the model in this one process (a 1-rank process group), to
+    # measure what the wrapper costs against none (docs/multi_gpu.md).
+    with one_rank_group(device) if cfg.train.parallel == "fsdp" else contextlib.nullcontext():
+        return measure(cfg, profile, compile_on, args, device, rate, corpus)
+
+
+def measure(cfg, profile: str, compile_on: str, args, device: torch.device, rate: float | None, corpus) -> dict:
     vocab = VOCAB if corpus is None else corpus.vocab.size
     training = build_training(cfg, vocab, device, 1)
     g = torch.Generator(device=device).manual_seed(0)
@@ -200,7 +210,8 @@ def run(profile: str, compile_on: str, args, device: torch.device, rate: float |
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    out = {"profile": profile, "compile": compile_on, "data": args.data,
+    out = {"profile": profile, "compile": compile_on, "data": args.data, "parallel": cfg.train.parallel,
+           "sharded": training.parallel.sharded,
            "chars_per_s": shape[0] * shape[1] * args.steps / seconds,
            "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
@@ -271,7 +282,7 @@ def main(argv=None) -> int:
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
-        print(f"| {r['profile']} | {r['compile']} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
+        print(f"| {r['profile']}{' (fsdp)' if r['parallel'] == 'fsdp' else ''} | {r['compile']} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
               f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
               f"{'-' if r['busiest_expert'] is None else format(r['busiest_expert'], '.2f') + 'x'} |")
     for r in results:
