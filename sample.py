@@ -2,6 +2,7 @@
 
     python sample.py runs/cpu_tiny-20250101-120000              # the run's best.pt (else last.pt)
     python sample.py runs/my-run/last.pt --prompt "def " --chars 2000 --temperature 0.6 --top-k 20
+    python sample.py runs/my-run --temperature 1.0 --top-p 0.9       # nucleus sampling
     python sample.py runs/my-run --temperature 0 --no-echo > greedy.txt
     python sample.py runs/my-run --streams 64 --chars 1000          # 64 continuations at once, seeds 1337..1400
     python sample.py runs/my-run --prompts prompts.txt              # one stream per line of the file
@@ -41,6 +42,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (1 = off), got {text}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a .pt file, or a run folder (its best.pt, else last.pt)")
@@ -71,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy argmax (default 0.8)")
     p.add_argument("--top-k", type=non_negative_int, default=0,
                    help="sample only among the k likeliest characters (default 0 = off)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, metavar="P",
+                   help="sample only among the likeliest characters whose probabilities first add up to P "
+                        "(nucleus sampling; after --top-k; default 1 = off)")
     p.add_argument("--seed", type=seed, default=1337, help="sampling seed, 0 <= S < 2**63 as train.seed "
                                                           "(default 1337)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,
                           window=args.window, keep=args.keep, graphs=args.graphs, offload_read=args.offload_read,
                           compiled=args.compile, products={"auto": None, "on": True, "off": False}[args.products],
-                          sync_every=1 if len(prompts) == 1 else 16)
+                          sync_every=1 if len(prompts) == 1 else 16, top_p=args.top_p)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None
     except (UsageError, SamplingError, CheckpointError, DeviceError) as e:

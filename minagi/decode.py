@@ -94,7 +94,8 @@ class Decoder:
     """B streams of `model` over a window of W positions: prefill, advance one character, read back.
 
     seeds: one per stream (its noise, minagi/gumbel.py). keep: characters a slide restarts a stream on
-    (default `default_keep(window)`). temperature / top_k: as `gumbel.pick`.
+    (default `default_keep(window)`). temperature / top_k / top_p: as `gumbel.pick` (top-k first, then
+    the top-p nucleus of what it kept).
     graphs: capture the step in a CUDA graph (the model must be on a CUDA device).
     expert_path: `gathered` (each routed row's experts gathered, as gpt-fast), `grouped` (the grouped
     GEMM on the whole resident stacks), or `auto`: grouped where the pool itself runs torch's
@@ -115,7 +116,8 @@ class Decoder:
 
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, keep: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
-                 compiled: bool = False, products: bool | None = None, read_in_place: bool = False):
+                 compiled: bool = False, products: bool | None = None, read_in_place: bool = False,
+                 top_p: float = 1.0):
         device = model.embed.weight.device
         _check(device, window, keep, graphs, expert_path, compiled)
         self.expert_path, self.read_in_place = expert_path, read_in_place
@@ -124,7 +126,7 @@ class Decoder:
             _compiled_pieces() if compiled else _EAGER_PIECES)
         self.model, self.device, self.window = model, device, window
         self.keep = default_keep(window) if keep is None else keep
-        self.temperature, self.top_k = temperature, top_k
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.n_heads, self.head_dim = model.cfg.n_heads, model.cfg.head_dim
         self.dtype = device_compute_dtype(device)  # what autocast computes in
         self.n_streams = len(seeds)
@@ -217,7 +219,7 @@ class Decoder:
         self.text_BW.scatter_(1, self.pos_B[:, None], self.tok_B[:, None])
         logits_BV = self._forward()
         noise_BV = None if self.noise_CBV is None else self.noise_CBV.index_select(0, self.slot_1)[0]
-        next_B = pick(logits_BV, self.temperature, self.top_k, noise_BV)
+        next_B = pick(logits_BV, self.temperature, self.top_k, noise_BV, self.top_p)
         self.out_CB.index_copy_(0, self.slot_1, next_B[None])
         self.tok_B.copy_(next_B)
         self.pos_B.add_(1)

@@ -93,7 +93,7 @@ def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = Non
 
 
 def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float, top_k: int,
-           window: int | None, keep: int | None) -> tuple[list[list[int]], int, int]:
+           window: int | None, keep: int | None, top_p: float = 1.0) -> tuple[list[list[int]], int, int]:
     """(prompt ids, window, keep), or SamplingError / VocabError naming what is wrong."""
     context = model.cfg.context
     window = context if window is None else window
@@ -108,6 +108,8 @@ def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temper
         raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature}")
     if top_k < 0:
         raise SamplingError(f"top_k must be >= 0 (0 = off); got {top_k}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise SamplingError(f"top_p must be a number in (0, 1] (1 = off); got {top_p}")
     if not prompts:
         raise SamplingError("no prompts: give one per stream")
     ids = []
@@ -134,12 +136,13 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
           top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
           window: int | None = None, keep: int | None = None, graphs: str = "auto",
           offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
-          compiled: bool = False, products: bool | None = None) -> Iterator[list[str]]:
+          compiled: bool = False, products: bool | None = None, top_p: float = 1.0) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
     `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)` (on a GPU
     up to bf16 rounding, which kernels for a batch may do differently from kernels for one stream).
 
-    graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
+    top_p: after top_k, sample only within the nucleus of this probability mass (`gumbel.nucleus`;
+    1 = off). graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
     offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
     expert_path: how a step runs its experts (`decode.Decoder`; `auto` unless measuring).
     compiled: the step's pieces through torch.compile (CUDA, resident experts; a one-off compile).
@@ -148,7 +151,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
     checked here, before the first character is asked for.
     """
-    ids, window, keep = _check(model, vocab, prompts, n_chars, temperature, top_k, window, keep)
+    ids, window, keep = _check(model, vocab, prompts, n_chars, temperature, top_k, window, keep, top_p)
     if sync_every < 1:
         raise SamplingError(f"sync_every must be >= 1; got {sync_every}")
     device = _model_device(model, device)
@@ -160,20 +163,20 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
         raise SamplingError(f"a compiled step needs a CUDA device (Triton); writing runs on {device.type} here")
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
-    return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every, read,
-                  (expert_path, compiled, products))
+    return _write(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, window, keep, use_graphs,
+                  sync_every, read, (expert_path, compiled, products))
 
 
-def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
-           seed: int, window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
+def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, sampler: tuple, seed: int,
+           window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
            ) -> Iterator[list[str]]:
     if n_chars == 0:
         return
     B = len(ids)
-    expert_path, compiled, products = step
+    (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
     decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
-                      top_k=top_k, graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
-                      read_in_place=read == "experts")
+                      top_k=top_k, top_p=top_p, graphs=graphs, expert_path=expert_path, compiled=compiled,
+                      products=products, read_in_place=read == "experts")
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     slides = _Slides([len(w) for w in windows], window, keep)
     decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
@@ -224,33 +227,34 @@ def _last_logits(model: CharLM, ids: list[int], device: torch.device) -> Tensor:
     return logits_1TV[0, -1].float()
 
 
-def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | None) -> int:
+def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | None, top_p: float = 1.0) -> int:
     """`gumbel.pick` for one stream; the host sync that brings the character back."""
-    chosen = pick(logits_V[None], temperature, top_k, None if noise_V is None else noise_V[None])
+    chosen = pick(logits_V[None], temperature, top_k, None if noise_V is None else noise_V[None], top_p)
     return int(chosen[0])
 
 
 def generate(model: CharLM, vocab: Vocab, prompt: str, n_chars: int, temperature: float = 0.8,
              top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
-             window: int | None = None, keep: int | None = None) -> Iterator[str]:
+             window: int | None = None, keep: int | None = None, top_p: float = 1.0) -> Iterator[str]:
     """Yield `n_chars` characters written after `prompt`, one at a time, as each is sampled: the
     readable reference, which runs the model's whole forward over the window for every character
     (slow: `write` is the fast path, tested equal to this).
 
     device: where the model's parameters are (default: there). window: most characters the model
     sees (default and maximum: its trained context). keep: characters kept on a slide (default
-    `default_keep(window)`, 1..window). The prompt is not yielded; a prompt longer than the window
+    `default_keep(window)`, 1..window). top_p: as `write`. The prompt is not yielded; a prompt longer than the window
     conditions on its last `window` characters.
     Arguments are checked here, before the first character is asked for: SamplingError for a bad
     number, VocabError naming prompt characters outside the vocabulary.
     """
-    (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep)
+    (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep, top_p)
     device = _model_device(model, device)
-    return _stream(model, vocab, ids, n_chars, temperature, top_k, seed, device, window, keep)
+    return _stream(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, device, window, keep)
 
 
-def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperature: float, top_k: int,
-            seed: int, device: torch.device, window: int, keep: int) -> Iterator[str]:
+def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, sampler: tuple, seed: int,
+            device: torch.device, window: int, keep: int) -> Iterator[str]:
+    temperature, top_k, top_p = sampler
     keys_12 = stream_keys([seed], device)
     start = max(0, len(ids) - window)  # the model sees ids[start:], never more than `window` of them
     noise_CV = None
@@ -261,7 +265,7 @@ def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperatu
                 counts_C = torch.arange(index, index + _NOISE_CHUNK, device=device)
                 noise_CV = gumbel_noise(keys_12, counts_C, model.vocab_size)[:, 0]
         noise_V = None if noise_CV is None else noise_CV[index % _NOISE_CHUNK]
-        char_id = _pick(_last_logits(model, ids[start:], device), temperature, top_k, noise_V)
+        char_id = _pick(_last_logits(model, ids[start:], device), temperature, top_k, noise_V, top_p)
         ids.append(char_id)
         yield vocab.chars[char_id]
         if len(ids) - start > window:  # the next character does not fit: slide to the last `keep`

@@ -201,6 +201,15 @@ def test_top_k_only_ever_writes_one_of_the_k_likeliest_characters(trained, monke
         assert vocab.chars.index(char) in torch.topk(logits_V, 3).indices.tolist()
 
 
+def test_sample_py_top_p_writes_what_the_reference_writes_with_that_nucleus(run_dir, trained, capsys):
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompt", "the ", "--chars", "40", "--seed", "5",
+                           "--temperature", "1.5", "--top-k", "6", "--top-p", "0.6", "--no-echo"]) == 0
+    model, vocab = trained
+    expected = "".join(generate(model, vocab, "the ", 40, 1.5, 6, 5, "cpu", top_p=0.6))
+    assert capsys.readouterr().out == expected
+    assert expected != "".join(generate(model, vocab, "the ", 40, 1.5, 6, 5, "cpu"))
+
+
 def test_zero_characters_yields_nothing_and_the_default_prompt_is_a_newline(trained):
     model, vocab = trained
     assert list(generate(model, vocab, "a", 0, 0.8, 0, 1337, "cpu")) == []
@@ -216,6 +225,8 @@ def test_bad_arguments_fail_when_generate_is_called_not_at_the_first_character(t
                           ({"temperature": -0.5}, "temperature must be"),
                           ({"temperature": float("nan")}, "temperature must be"),
                           ({"top_k": -2}, "top_k must be >= 0"),
+                          ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
+                          ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]"),
                           ({"window": CONTEXT + 1}, r"window must be 1\.\.16"),
                           ({"window": 8, "keep": 9}, r"keep must be 1\.\.8"),
                           ({"prompt": ""}, "prompt is empty")]:
@@ -324,6 +335,8 @@ def test_sample_py_prompt_outside_the_vocabulary_is_one_line_naming_the_characte
 @pytest.mark.parametrize("args, says", [(["--chars", "-3"], "--chars: must be >= 0"),
                                         (["--temperature", "-0.1"], "--temperature: must be a finite"),
                                         (["--top-k", "-1"], "--top-k: must be >= 0"),
+                                        (["--top-p", "0"], "--top-p: must be a number in (0, 1]"),
+                                        (["--top-p", "1.2"], "--top-p: must be a number in (0, 1]"),
                                         (["--chars", "many"], "--chars: expected a whole number")])
 def test_sample_py_negative_or_malformed_numbers_exit_2_naming_the_option(run_dir, capsys, args, says):
     with pytest.raises(SystemExit) as exit_:
