@@ -45,6 +45,7 @@ HISTORY_FIELDS = (
     "heldout_bpc",        # heldout_loss / ln 2
     "lr",                 # learning rate of the last step
     "chars_per_s",        # training throughput since the previous record (eval and saving excluded)
+    "mfu",                # model FLOPs utilisation of that throughput (minagi/flops.py; None off CUDA)
     "wall_s",             # seconds of training since the run began, summed over resumes
     "mem_allocated", "mem_reserved", "mem_peak_allocated", "mem_peak_reserved",
     "alloc_retries", "ooms",
@@ -265,6 +266,7 @@ class RunFolder:
         checkpoint and the history line); True when it did."""
         if record is None:
             return False
+        record = {k: record.get(k) for k in HISTORY_FIELDS}  # a checkpoint of older code lacks newer fields
         path = self.path / "history.jsonl"
         steps = {r.get("step") for r in read_history(path)} if path.exists() else set()
         if record["step"] in steps:
