@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
-    from minagi import devices, distributed
+    from minagi import devices, distributed, watch
     from minagi.checkpoint import CheckpointError
     from minagi.data import DataError
     from minagi.runlog import RunFolderError
@@ -197,6 +197,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
         devices.check_compiler(cfg.train.compile, device)  # no Triton: refused before the run folder is made
+        watch.require(cfg.train.tensorboard)  # so is a TensorBoard mirror without the package
         note = compile_note(cfg, device)
         if note:
             warnings.warn(note, stacklevel=1)

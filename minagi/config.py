@@ -287,6 +287,7 @@ class TrainConfig(_Section):
     compile: bool | Literal["rows"] = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"  # torch.compile's
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
+    tensorboard: bool = False  # mirror each history record to TensorBoard in the run folder (minagi/watch.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
     run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
@@ -414,6 +415,7 @@ RESUMABLE_KEYS = (
     "experts.pin_floor_mib",
     "experts.offload",        # where the frozen stacks live between uses: the same weights
     "experts.prefetch",
+    "train.tensorboard",      # watching: the history stays the record
 )
 
 # Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].
