@@ -6,6 +6,7 @@
     python sample.py runs/my-run --temperature 0 --no-echo > greedy.txt
     python sample.py runs/my-run --streams 64 --chars 1000          # 64 continuations at once, seeds 1337..1400
     python sample.py runs/my-run --prompts prompts.txt              # one stream per line of the file
+    python sample.py out/                                           # a folder minagi-export wrote
 
 stdout: the prompt (unless --no-echo), then exactly --chars characters. With several streams, each
 stream once all are written: a header line `--- stream I (seed S) ---`, its prompt and text, a newline.
@@ -24,9 +25,6 @@ import time
 from pathlib import Path
 
 from minagi.cli import OneLineParser, non_negative_int, positive_int, seed
-
-CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run folder is read as, in order
-
 
 class UsageError(ValueError):
     """A bad argument found after parsing; one line."""
@@ -54,7 +52,8 @@ def _top_p(text: str) -> float:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a .pt file, or a run folder (its best.pt, else last.pt)")
+    p.add_argument("checkpoint", help="a .pt file, a run folder (its best.pt, else last.pt), or a folder "
+                                      "minagi-export wrote")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="text to continue (default: a newline if the vocabulary has one, "
                                          "else its first character); echoed to stdout unless --no-echo")
@@ -98,14 +97,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A file as is; a folder -> its best.pt, else its last.pt."""
-    p = Path(path)
-    if p.is_dir():
-        for name in CHECKPOINT_NAMES:
-            if (p / name).is_file():
-                return p / name
-        raise UsageError(f"{p}: no {' or '.join(CHECKPOINT_NAMES)} in this folder")
-    return p  # a missing file is load_checkpoint's one-line error, naming it
+    """A file as is; a run folder -> its best.pt, else its last.pt; an exported folder as is."""
+    from minagi.loading import resolve_model_path
+    return resolve_model_path(path)
 
 
 def read_prompts(path: str) -> list[str]:

@@ -265,7 +265,8 @@ def test_sample_py_reads_a_run_folder_as_its_best_pt_else_last_pt(run_dir, tmp_p
     assert len(out.out) == 9 and f"{folder / 'best.pt'}: step 0" in out.err
     assert sample_py.main([str(tmp_path)]) == 2  # a folder without either
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {tmp_path}: no best.pt or last.pt in this folder"]
+    assert err == [f"error: {tmp_path}: no best.pt or last.pt in this folder, nor an exported model "
+                   "(model.safetensors and config.json)"]
 
 
 def test_sample_py_flushes_every_character_as_it_is_written(run_dir, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
     python tools/evaluate.py runs/<name>/best.pt --data book.txt other.txt
     python tools/evaluate.py runs/<name>/best.pt --data a.txt --stride 32 --batch 64 --json eval.json
+    python tools/evaluate.py out/ --data book.txt        # a folder minagi-export wrote
 
 Windows of the model's trained context T (model.context) slide over each text with a stride
 (default T // 2): the first window scores all its positions, each later one only its last
@@ -34,7 +35,7 @@ from minagi.cli import OneLineParser, positive_int  # noqa: E402
 from minagi.config import ConfigError  # noqa: E402
 from minagi.data import Vocab  # noqa: E402
 from minagi.gutenberg import MarkersMissing, strip_gutenberg  # noqa: E402
-from minagi.loading import load_trained  # noqa: E402
+from minagi.loading import load_trained, resolve_model_path  # noqa: E402
 
 LN2 = math.log(2.0)
 OOV_POLICY = ("not scored: the text is split at each, and each piece is scored as a text of its own "
@@ -202,7 +203,8 @@ def _json_safe(value):
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt)")
+    p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt), a run folder (its best.pt, else "
+                                      "last.pt) or a folder minagi-export wrote")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="text files to score")
     p.add_argument("--stride", type=int, help="characters scored per window after the first (default T // 2)")
     p.add_argument("--batch", type=positive_int, default=32, help="windows per forward pass (default 32)")
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         device = devices.choose_device(args.device, "--device")
-        model, vocab, ckpt = load_trained(args.checkpoint, device)
+        model, vocab, ckpt = load_trained(resolve_model_path(args.checkpoint), device)
         context = ckpt.config.model.context
         stride = max(1, context // 2) if args.stride is None else args.stride
         if not 1 <= stride <= context:
