@@ -10,14 +10,17 @@
 
 stdout: the prompt (unless --no-echo), then exactly --chars characters. With several streams, each
 stream once all are written: a header line `--- stream I (seed S) ---`, its prompt and text, a newline.
-stderr: one line about the model before, and "wrote N chars in S s (X char/s)" after (generation
-only, not loading; with several streams "wrote B streams x N chars ... (X char/s in all)").
+stderr: one line about the model before; "ready in T s: load L s, capture C s" (compile and capture
+with --compile, and what the compile cache did) once writing is set up; and "wrote N chars in S s
+(X char/s)" after (writing only, from the prefill: not loading, capturing or compiling; with several
+streams "wrote B streams x N chars ... (X char/s in all)").
 Exit codes: 0 done (also when a reader such as `head` closes the pipe), 2 bad argument / checkpoint /
 prompt, 130 Ctrl-C (the speed line is still printed for what was written).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -72,7 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "n_experts (default)")
     p.add_argument("--compile", action="store_true",
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
-                        "per character after a compile of some seconds; for long writing (docs/sampling.md)")
+                        "per character, but the first run of a model shape and stream count compiles first "
+                        "(15-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
+                        "that shape load it instead (docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
@@ -157,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
+        loading = time.perf_counter()
         model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
+        clock = _Clock(time.perf_counter() - loading, err)
         step = "?" if ckpt.step is None else ckpt.step
         del ckpt  # the optimizer state in it is twice the model's size; writing needs none of it
         prompts = choose_prompts(args, vocab)
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             chars = write(model, vocab, prompts, args.chars, args.temperature, args.top_k, args.seed, device,
                           window=args.window, keep=args.keep, graphs=args.graphs, offload_read=args.offload_read,
                           compiled=args.compile, products={"auto": None, "on": True, "off": False}[args.products],
-                          sync_every=1 if len(prompts) == 1 else 16, top_p=args.top_p)
+                          sync_every=1 if len(prompts) == 1 else 16, top_p=args.top_p, on_ready=clock.ready)
         except VocabError as e:
             raise UsageError(f"--prompt: {e}") from None
     except (UsageError, SamplingError, CheckpointError, DeviceError) as e:
@@ -183,20 +190,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path}: step {step}, {model.cfg.n_rows} rows x {mlp}, {vocab.size} characters, context "
           f"{model.cfg.context}, on {device.type}, graphs {graphs}{streams}{offload}", file=err, flush=True)
     if len(prompts) == 1:
-        return _stream_one(chars, prompts[0], args, out, err)
-    return _write_many(chars, prompts, args, out, err)
+        return _stream_one(chars, prompts[0], args, out, err, clock)
+    return _write_many(chars, prompts, args, out, err, clock)
 
 
-def _stream_one(chars, prompt: str, args: argparse.Namespace, out, err) -> int:
+class _Clock:
+    """The fixed cost, said on its own stderr line once writing is ready (`sampling.Ready`): loading the
+    checkpoint, then capturing the step's graphs and compiling it; the writing rate counts from there."""
+
+    def __init__(self, load_s: float, err):
+        self.load_s, self.err, self.ready_at = load_s, err, None
+
+    def ready(self, ready) -> None:
+        self.ready_at = time.perf_counter()
+        print(f"ready in {self.load_s + ready.seconds:.2f} s: load {self.load_s:.2f} s, {ready.describe()}",
+              file=self.err, flush=True)
+
+    def start(self) -> float:
+        return self.ready_at if self.ready_at is not None else time.perf_counter()
+
+
+def _stream_one(chars, prompt: str, args: argparse.Namespace, out, err, clock: _Clock) -> int:
     """One stream: each character to stdout as it is written."""
     written, code = 0, 0
-    start = time.perf_counter()  # reset below, after the echo
+    rows = iter(chars)
+    start = time.perf_counter()
     try:
+        first = next(rows, None)  # the set-up (its line on stderr), the prefill and the first character
+        start = clock.start()  # writing only: the prefill onwards
         if not args.no_echo:
             out.write(prompt)
             out.flush()
-        start = time.perf_counter()  # generation only: the prefill onwards
-        for (char,) in chars:
+        for (char,) in itertools.chain([first] if first is not None else [], rows):
             out.write(char)
             out.flush()  # stream: each character appears as it is written
             written += 1
@@ -213,13 +238,16 @@ def _stream_one(chars, prompt: str, args: argparse.Namespace, out, err) -> int:
     return code
 
 
-def _write_many(chars, prompts: list[str], args: argparse.Namespace, out, err) -> int:
+def _write_many(chars, prompts: list[str], args: argparse.Namespace, out, err, clock: _Clock) -> int:
     """Several streams: written side by side, then printed one after another under a header line."""
     texts = [[] for _ in prompts]
     written, code = 0, 0
+    rows = iter(chars)
     start = time.perf_counter()
     try:
-        for row in chars:
+        first = next(rows, None)  # the set-up (its line on stderr), the prefill and the first characters
+        start = clock.start()
+        for row in itertools.chain([first] if first is not None else [], rows):
             for text, char in zip(texts, row):
                 text.append(char)
             written += 1

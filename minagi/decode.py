@@ -55,13 +55,19 @@ from .gumbel import gumbel_noise, pick, stream_keys
 from .mlp import device_compute_dtype
 from .model import CharLM
 
-__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference"]
+__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference", "resolve_products"]
 
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
 _WARMUP_STEPS = 3          # eager steps before a capture: cuBLAS handles, allocations, Triton tables
 _PRODUCTS_MAX_STREAMS = 8  # compiled, `products` up to this many streams (beyond, GEMMs reuse weights)
 _NOISE_ELEMENTS = 1 << 22  # noise table size that sets C (steps of noise made at once), within 16..256
+
+
+def resolve_products(products: bool | None, compiled: bool, streams: int) -> bool:
+    """The step's products as sums (`Decoder`'s `products`): None = compiled for at most
+    _PRODUCTS_MAX_STREAMS streams."""
+    return compiled and streams <= _PRODUCTS_MAX_STREAMS if products is None else products
 
 
 def default_keep(window: int) -> int:
@@ -121,7 +127,7 @@ class Decoder:
         device = model.embed.weight.device
         _check(device, window, keep, graphs, expert_path, compiled)
         self.expert_path, self.read_in_place = expert_path, read_in_place
-        self.products = compiled and len(seeds) <= _PRODUCTS_MAX_STREAMS if products is None else products
+        self.products = resolve_products(products, compiled, len(seeds))
         self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
             _compiled_pieces() if compiled else _EAGER_PIECES)
         self.model, self.device, self.window = model, device, window
@@ -141,8 +147,11 @@ class Decoder:
         self._read = self.chunk    # rows of out_CB already read back
         self._backlog: list[list[int]] = []
         self.graph = None
-        if graphs:  # a window may be shorter than the warm-up: each warm-up step writes at position 0
-            self.graph, self.logits_BV = self._capture(self._step, before=self.pos_B.zero_)
+        if graphs or compiled:  # a window may be shorter than the warm-up: each warm-up step writes at position 0
+            if graphs:
+                self.graph, self.logits_BV = self._capture(self._step, before=self.pos_B.zero_)
+            else:  # compiled, eager steps: the compile now, with the capture's warm-up, not at the first character
+                self._warm_up(self._step, before=self.pos_B.zero_)
             with torch.inference_mode():  # prefill and steps overwrite or mask what the warm-up wrote
                 for t in (self.pos_B, self.tok_B, self.slot_1):
                     t.zero_()
@@ -241,6 +250,15 @@ class Decoder:
         memory pool shared with other graphs that never run at once and keep no output."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
+            self._warm_up(run, before)
+            with self._step_context(), torch.cuda.graph(graph, pool=pool):
+                out = run()
+        return graph, out
+
+    def _warm_up(self, run, before=None) -> None:
+        """`run` _WARMUP_STEPS times on a side stream (`before` ahead of each call), the current stream
+        then waiting for it: cuBLAS handles, allocations, Triton tables and a compiled step's compile."""
+        with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), self._step_context():
@@ -249,9 +267,6 @@ class Decoder:
                         before()
                     run()
             torch.cuda.current_stream().wait_stream(side)
-            with self._step_context(), torch.cuda.graph(graph, pool=pool):
-                out = run()
-        return graph, out
 
     # ------------------------------------------------------------------ host side
 

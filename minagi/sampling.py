@@ -27,18 +27,21 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .decode import EXPERT_PATHS, Decoder, default_keep, inference
+from .compile_cache import CompileCache, decode_key
+from .decode import EXPERT_PATHS, Decoder, default_keep, inference, resolve_products
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
 from .model import CharLM
 
-__all__ = ["GRAPHS", "OFFLOAD_READS", "SamplingError", "default_keep", "default_prompt", "generate",
+__all__ = ["GRAPHS", "OFFLOAD_READS", "Ready", "SamplingError", "default_keep", "default_prompt", "generate",
            "resolve_graphs", "resolve_offload_read", "write"]
 
 GRAPHS = ("auto", "on", "off")
@@ -136,7 +139,8 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
           top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
           window: int | None = None, keep: int | None = None, graphs: str = "auto",
           offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
-          compiled: bool = False, products: bool | None = None, top_p: float = 1.0) -> Iterator[list[str]]:
+          compiled: bool = False, products: bool | None = None, top_p: float = 1.0,
+          on_ready: Callable[[Ready], None] | None = None) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
     `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)` (on a GPU
     up to bf16 rounding, which kernels for a batch may do differently from kernels for one stream).
@@ -145,7 +149,11 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     1 = off). graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
     offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
     expert_path: how a step runs its experts (`decode.Decoder`; `auto` unless measuring).
-    compiled: the step's pieces through torch.compile (CUDA, resident experts; a one-off compile).
+    compiled: the step's pieces through torch.compile (CUDA, resident experts): compiled once per model
+    shape and number of streams on a machine, the compile's artifacts kept under ~/.cache/minagi/compile
+    (minagi/compile_cache.py) for the next process of that shape.
+    on_ready: called once the decoder is set up (its graphs captured, its step compiled), before the
+    prompts' prefill, with what that fixed cost was (`Ready`); the writing rate is from there on.
     products: the step's products written as sums (`decode.Decoder`; None, its rule, unless measuring).
     sync_every: steps written between two reads of the characters (the host sync); 1 streams each
     character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
@@ -164,22 +172,40 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
     return _write(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, window, keep, use_graphs,
-                  sync_every, read, (expert_path, compiled, products))
+                  sync_every, read, (expert_path, compiled, products), on_ready)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What setting up the decoder cost, before the first character: `seconds` of it, whether it
+    captured CUDA graphs and compiled the step, and the compile cache's `CompileCache.status` and file."""
+    seconds: float
+    graphs: bool
+    compiled: bool
+    cache: str | None = None
+    cache_path: str | None = None
+
+    def describe(self) -> str:
+        """e.g. `compile and capture 1.52 s (compile cache hit: ~/.cache/minagi/compile/….bin)`."""
+        what = " and ".join(w for w, on in (("compile", self.compiled), ("capture", self.graphs)) if on) or "set-up"
+        cache = {"hit": "hit", "miss": "miss, written for the next run", "unreadable": "unreadable, written again",
+                 "unsaved": "miss, not written (nothing to save, or the folder is not writable)",
+                 "unavailable": "not in this torch"}.get(self.cache or "")
+        return f"{what} {self.seconds:.2f} s" + (f" (compile cache {cache}: {self.cache_path})" if cache else "")
 
 
 def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, sampler: tuple, seed: int,
-           window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
-           ) -> Iterator[list[str]]:
+           window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple,
+           on_ready: Callable[[Ready], None] | None) -> Iterator[list[str]]:
     if n_chars == 0:
         return
     B = len(ids)
-    (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
-    decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
-                      top_k=top_k, top_p=top_p, graphs=graphs, expert_path=expert_path, compiled=compiled,
-                      products=products, read_in_place=read == "experts")
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     slides = _Slides([len(w) for w in windows], window, keep)
-    decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
+    decoder, ready = _set_up(model, [seed + i for i in range(B)], window, keep, sampler, graphs, read, step,
+                             slides.copy().sizes(n_chars - 1))
+    if on_ready is not None:
+        on_ready(ready)
     decoder.prefill(list(range(B)), windows)
     for written in range(1, n_chars + 1):
         decoder.advance()
@@ -190,6 +216,30 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, samp
             # The step just queued runs on while the host reads the ones before it (all at the end).
             for row in decoder.read(lag=0 if written == n_chars else 1):
                 yield [vocab.chars[c] for c in row]
+
+
+def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tuple, graphs: bool,
+            read: str | None, step: tuple, slide_sizes: set[int]) -> tuple[Decoder, Ready]:
+    """The decoder, its graphs captured and step compiled (a compiled step's caches loaded from disk
+    first, and written there after a compile), and what that took."""
+    (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
+    start = time.perf_counter()
+    device = model.embed.weight.device
+    cache = None
+    if compiled:
+        cache = CompileCache(decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)),
+                                        expert_path, device))
+        cache.load()
+    decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+                      graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                      read_in_place=read == "experts")
+    decoder.prepare_slides(slide_sizes)
+    status = None
+    if cache is not None:
+        status = cache.status if cache.save() or cache.status in ("hit", "unavailable") else "unsaved"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the set-up's time, not the writing's
+    return decoder, Ready(time.perf_counter() - start, graphs, compiled, status, cache and str(cache.path))
 
 
 class _Slides:

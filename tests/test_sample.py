@@ -9,6 +9,7 @@ wrong characters, changes the logits well beyond rounding.
 """
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,7 +250,10 @@ def test_sample_py_end_to_end_echoes_the_prompt_then_exactly_chars_characters(ru
     model, vocab = trained
     expected = "".join(generate(model, vocab, "the ", 70, 0.8, 5, 5, "cpu"))
     assert done.stdout == "the " + expected
-    assert done.stderr.strip().splitlines()[-1].startswith("wrote 70 chars in ")
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("wrote 70 chars in ")
+    # The fixed cost on its own line, apart from the writing rate: load, then the decoder's set-up.
+    assert re.fullmatch(r"ready in \d+\.\d\d s: load \d+\.\d\d s, set-up \d+\.\d\d s", lines[-2]), lines
     assert "char/s)" in done.stderr
 
 
