@@ -369,7 +369,7 @@ class Decoder:
         0..T-1: the model's row over [n, T] positions (causal attention among them), each row's keys
         and values written in between. Nothing is returned: the window's last character is the next
         step's input. Static shapes; no host sync where every row's MLP window form has none."""
-        n, Dh = streams_n.shape[0], self.head_dim
+        Dh = self.head_dim
         x_nTD = self.model.embed(self.text_BW.index_select(0, streams_n)[:, :T])
         cos_Td, sin_Td = self.cos_Wd[:T], self.sin_Wd[:T]
         slots_N = (self.first_B2H.index_select(0, streams_n)[..., None] + self.positions_W[:T]).view(-1)  # [n, 2, H, T]

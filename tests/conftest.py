@@ -10,10 +10,6 @@ if str(REPO) not in sys.path:
 from tiny import write_tiny_text  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
-
-
 @pytest.fixture
 def data_path(tmp_path) -> Path:
     """The tiny text, written into this test's tmp_path."""
