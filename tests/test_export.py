@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import sample as sample_py
+from minagi import sample as sample_py
 from minagi import export
 from minagi.checkpoint import Checkpoint, CheckpointError
 from minagi.loading import load_trained

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import sample as sample_py
+from minagi import sample as sample_py
 from minagi import decode, sampling
 from minagi.checkpoint import capture_rng_state, save_checkpoint
 from minagi.config import config_to_dict, load_config

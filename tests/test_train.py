@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-import train as train_py
+from minagi import train as train_py
 from minagi import flops, runlog, start, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config

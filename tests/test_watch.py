@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import train as train_py
+from minagi import train as train_py
 from minagi import watch
 from minagi.config import ConfigError
 from minagi.runlog import read_history
