@@ -3,7 +3,6 @@ and scores the same loss as the checkpoint (trainable and frozen NF4 experts); s
 whose absence is one line."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from minagi.checkpoint import Checkpoint, CheckpointError
 from minagi.loading import load_trained
 from tiny import run_tiny
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 FROZEN = ["experts.frozen=true", "experts.blocksize=32", "experts.double_quant=true"]
 
 
@@ -70,7 +68,7 @@ def test_the_export_holds_the_state_dict_as_stored_and_names_the_nf4_layout(run,
 
 def test_evaluate_scores_the_export_as_the_checkpoint(run, tmp_path, capsys):
     pytest.importorskip("safetensors")
-    import evaluate
+    from minagi import evaluate
     export.export_model(run / "best.pt", tmp_path / "out")
     text = tmp_path / "t.txt"
     text.write_text("000 the quick brown fox jumps over the lazy dog.\n" * 3)
