@@ -25,9 +25,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from minagi.cli import OneLineParser, non_negative_int, positive_int, seed
+from minagi.cli import OneLineParser, non_negative_int, one_line_warnings, positive_int, seed
 
 class UsageError(ValueError):
     """A bad argument found after parsing; one line."""
@@ -148,6 +149,12 @@ def choose_prompts(args: argparse.Namespace, vocab) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line_warnings()  # minagi's (the grouped-GEMM probe's): one line each
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     from minagi.checkpoint import CheckpointError
     from minagi.data import VocabError

@@ -5,6 +5,8 @@
     python train.py --resume runs/cpu_tiny-20250101-120000 [--set train.steps=2000]
     torchrun --nproc_per_node=8 train.py --profile h200 ...   # DDP over 8 GPUs (docs/multi_gpu.md)
     python train.py --nproc-per-node 8 --profile h200 ...     # the same 8 ranks, launched by train.py
+    python -m minagi.train ...  /  minagi-train ...            # the same, installed (or -m from the clone)
+    torchrun --nproc_per_node=8 -m minagi.train --profile h200 ...
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
 The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
@@ -25,10 +27,9 @@ import warnings
 from pathlib import Path
 
 # No torch in these two: a Ctrl-C while torch loads is ours to report.
-from minagi.cli import OneLineParser, positive_int
+from minagi.cli import OneLineParser, one_line_warnings, positive_int
 from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
-MINAGI_DIR = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -140,28 +141,14 @@ def _report(error: BaseException, ranks: "distributed.RankInfo", joined: bool) -
         print(f"error (rank {ranks.rank}): {error}", file=sys.stderr)
 
 
-def _one_line_warnings(is_main: bool):
-    """warnings.showwarning for minagi's own warnings: `warning: <message>` on rank 0, nothing elsewhere
-    (every rank reads the same files); others (torch's) as Python shows them."""
-    shown = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        path = Path(filename).resolve()
-        if path == Path(__file__).resolve() or MINAGI_DIR in path.parents:
-            if is_main:
-                print(f"warning: {message}", file=sys.stderr)
-            return
-        shown(message, category, filename, lineno, file, line)
-    return show
-
-
 def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
-    """entry: the script that runs this main (train.py's path), which --nproc-per-node launches."""
+    """entry: the script that runs this main (train.py's path), which --nproc-per-node launches; None
+    (`python -m minagi.train`, `minagi-train`): the module, as `python -m minagi.train`."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
         with warnings.catch_warnings():
-            return _main(args, argv, entry or str(Path(__file__).resolve()))
+            return _main(args, argv, entry)
     except KeyboardInterrupt:
         # Before train() took over (importing torch, reading the corpus, building the model): train()
         # itself reports a Ctrl-C during training, and what it saved.
@@ -170,7 +157,24 @@ def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
         return 130
 
 
-def _main(args: argparse.Namespace, argv: list[str], entry: str) -> int:
+def _invoked_as(entry: str | None) -> list[str]:
+    """How this process was started, for run.json: train.py, python -m minagi.train, or a console command."""
+    if entry is not None:
+        return ["train.py"]
+    started = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    return ["-m", "minagi.train"] if started in (None, Path(__file__).resolve()) else [sys.argv[0]]
+
+
+def _launch(nproc: int, entry: str | None, argv: list[str]) -> int:
+    """--nproc-per-node: `nproc` ranks of the entry script, or of `python -m minagi.train` without one."""
+    from minagi import distributed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its 6-line notice
+    if entry is None:
+        return distributed.launch_local(nproc, "minagi.train", argv, module=True)
+    return distributed.launch_local(nproc, entry, argv)
+
+
+def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
     import torch
     from minagi import devices, distributed, watch
     from minagi.checkpoint import CheckpointError
@@ -183,7 +187,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str) -> int:
     except distributed.LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    warnings.showwarning = _one_line_warnings(ranks.is_main)
+    warnings.showwarning = one_line_warnings(ranks.is_main)
     joined = False
     try:
         launching = launches(args.nproc_per_node, ranks)
@@ -192,8 +196,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str) -> int:
         # With --nproc-per-node, for its N ranks before any of them starts (and imports torch).
         check_world_size(cfg, args.nproc_per_node if launching else ranks.world_size)
         if launching:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its 6-line notice
-            return distributed.launch_local(args.nproc_per_node, entry, argv)
+            return _launch(args.nproc_per_node, entry, argv)
         # Before anything touches the GPU: the allocator reads its settings at the first allocation.
         devices.apply_alloc_conf(cfg.memory.alloc_conf)
         device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
@@ -205,9 +208,10 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str) -> int:
         with distributed.process_group(ranks, device) as device:
             joined = True
             devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)
+            command = [sys.executable, *_invoked_as(entry), *argv]
             try:
                 result = train(cfg, profile, args.resume, rank=ranks.rank, world_size=ranks.world_size,
-                               device=device, argv=[sys.executable, "train.py", *argv], init=args.init)
+                               device=device, argv=command, init=args.init)
             except NonFiniteLossError as e:
                 # The loss checked is the mean over ranks: every rank stops at this step; rank 0 says so.
                 if ranks.is_main:
