@@ -1,6 +1,7 @@
 """Strict configuration: one frozen, keyword-only dataclass per component, loaded from TOML.
 
-A profile (``profiles/<name>.toml``) has one table per component -- ``[model]``, ``[pool]``,
+A profile (``profiles/<name>.toml`` in a clone, shipped inside the installed package as
+``minagi/profiles/``: `PROFILES_DIR`) has one table per component -- ``[model]``, ``[pool]``,
 ``[data]``, ``[train]``, ``[memory]`` -- and may carry a top-level ``description = "..."``. Precedence:
 ``--set section.key=value`` > profile > dataclass defaults.
 
@@ -28,7 +29,16 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+def _profiles_dir() -> Path:
+    """The shipped profiles: package data of an installed minagi (minagi/profiles/), else the clone's
+    profiles/ beside the package (a clone, or an editable install of one)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "profiles"
+    return installed if installed.is_dir() else package.parent / "profiles"
+
+
+PROFILES_DIR = _profiles_dir()
 
 
 class ConfigError(ValueError):

@@ -143,7 +143,7 @@ def read_export(path: str | Path) -> Checkpoint:
 def main(argv: list[str] | None = None) -> int:
     from .cli import OneLineParser
     from .loading import resolve_model_path
-    p = OneLineParser(prog="minagi-export", description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("source", help="a run folder (its best.pt, else last.pt) or a .pt checkpoint")
     p.add_argument("out", help="the folder to write model.safetensors, config.json and vocab.json into")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_write, stale_temp_files
-from . import watch
+from . import __version__, watch
 from .checkpoint import Checkpoint, copy_checkpoint, save_checkpoint
 
 __all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
@@ -63,7 +63,10 @@ def _now() -> str:
 
 
 def git_commit(repo_dir: Path = REPO_DIR) -> str | None:
-    """HEAD of the checkout this code runs from; None outside a checkout or before the first commit."""
+    """HEAD of the checkout this code runs from; None outside a checkout or before the first commit, and
+    for an installed copy (site-packages holds no .git: a checkout around the environment is not this code's)."""
+    if not (Path(repo_dir) / ".git").exists():  # a file in a git worktree, a folder in a clone
+        return None
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True,
                               text=True, timeout=10)
@@ -95,7 +98,7 @@ def write_run_info(run_dir: Path, *, config: dict, profile: str, device: str, ar
         info.setdefault("resumes", []).append({**entry, "step": resumed_at_step})
     else:
         info = {"profile": profile, "config": config, **entry,
-                "python": platform.python_version(), "torch": torch.__version__,
+                "python": platform.python_version(), "torch": torch.__version__, "minagi": __version__,
                 "numpy": np.__version__, "platform": platform.platform(), **(extra or {}), "resumes": []}
     _write_json_atomic(path, info)
     return info

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import load_config  # noqa: E402
-from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
-from minagi.devices import host_syncs  # noqa: E402
-from minagi.flops import flops_per_char, matmul_tflops, mfu  # noqa: E402
-from minagi.trainer import build_training, train_step  # noqa: E402
+from minagi.config import load_config
+from minagi.data import DataError, batch_on, load_corpus
+from minagi.devices import host_syncs
+from minagi.flops import flops_per_char, matmul_tflops, mfu
+from minagi.trainer import build_training, train_step
 
 VOCAB = 96
 KINDS = (  # kernel name fragments -> what the time is spent on (first match wins)
