@@ -4,10 +4,15 @@ argument types that check values as the config does. Nothing here reads argv: th
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
+from pathlib import Path
 
 from .config import SEED_RULE, valid_seed
 
-__all__ = ["OneLineParser", "non_negative_int", "positive_int", "seed"]
+__all__ = ["OneLineParser", "non_negative_int", "one_line_warnings", "positive_int", "seed"]
+
+MINAGI_DIR = Path(__file__).resolve().parent
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -44,3 +49,17 @@ def seed(text: str) -> int:
     if not valid_seed(value):
         raise argparse.ArgumentTypeError(f"{SEED_RULE}, got {value}")
     return value
+
+
+def one_line_warnings(is_main: bool = True):
+    """warnings.showwarning for minagi's own warnings (raised in minagi/): `warning: <message>` on stderr,
+    on rank 0 only (every rank reads the same files); others (torch's) as Python shows them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if MINAGI_DIR in Path(filename).resolve().parents:
+            if is_main:
+                print(f"warning: {message}", file=sys.stderr)
+            return
+        shown(message, category, filename, lineno, file, line)
+    return show

@@ -1,6 +1,7 @@
 """Strict configuration: one frozen, keyword-only dataclass per component, loaded from TOML.
 
-A profile (``profiles/<name>.toml``) has one table per component -- ``[model]``, ``[pool]``,
+A profile (``profiles/<name>.toml`` in a clone, shipped inside the installed package as
+``minagi/profiles/``: `PROFILES_DIR`) has one table per component -- ``[model]``, ``[pool]``,
 ``[data]``, ``[train]``, ``[memory]`` -- and may carry a top-level ``description = "..."``. Precedence:
 ``--set section.key=value`` > profile > dataclass defaults.
 
@@ -28,7 +29,16 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+def _profiles_dir() -> Path:
+    """The shipped profiles: package data of an installed minagi (minagi/profiles/), else the clone's
+    profiles/ beside the package (a clone, or an editable install of one)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "profiles"
+    return installed if installed.is_dir() else package.parent / "profiles"
+
+
+PROFILES_DIR = _profiles_dir()
 
 
 class ConfigError(ValueError):
@@ -310,6 +320,7 @@ class TrainConfig(_Section):
     # (torch's GradScaler) and skips a step whose gradients overflow.
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     optimizer_states: Literal["fp32", "bf16"] = "fp32"  # AdamW's two moments (bf16: minagi/optim.py)
+    tensorboard: bool = False  # mirror each history record to TensorBoard in the run folder (minagi/watch.py)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs"
     run_name: str = ""  # "" = <profile>-<YYYYmmdd-HHMMSS>
@@ -470,6 +481,7 @@ RESUMABLE_KEYS = (
     "experts.prefetch",
     "train.parallel",         # checkpoints hold the unwrapped, whole model whatever the layout
     "train.expert_parallel",
+    "train.tensorboard",      # watching: the history stays the record
 )
 
 # Format 1 (checkpoints and run.json before the [pool] section existed) kept these under [model].

@@ -55,13 +55,19 @@ from .gumbel import gumbel_noise, pick, stream_keys
 from .mlp import device_compute_dtype
 from .model import CharLM
 
-__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference"]
+__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference", "resolve_products"]
 
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
 _WARMUP_STEPS = 3          # eager steps before a capture: cuBLAS handles, allocations, Triton tables
 _PRODUCTS_MAX_STREAMS = 8  # compiled, `products` up to this many streams (beyond, GEMMs reuse weights)
 _NOISE_ELEMENTS = 1 << 22  # noise table size that sets C (steps of noise made at once), within 16..256
+
+
+def resolve_products(products: bool | None, compiled: bool, streams: int) -> bool:
+    """The step's products as sums (`Decoder`'s `products`): None = compiled for at most
+    _PRODUCTS_MAX_STREAMS streams."""
+    return compiled and streams <= _PRODUCTS_MAX_STREAMS if products is None else products
 
 
 def default_keep(window: int) -> int:
@@ -94,7 +100,8 @@ class Decoder:
     """B streams of `model` over a window of W positions: prefill, advance one character, read back.
 
     seeds: one per stream (its noise, minagi/gumbel.py). keep: characters a slide restarts a stream on
-    (default `default_keep(window)`). temperature / top_k: as `gumbel.pick`.
+    (default `default_keep(window)`). temperature / top_k / top_p: as `gumbel.pick` (top-k first, then
+    the top-p nucleus of what it kept).
     graphs: capture the step in a CUDA graph (the model must be on a CUDA device).
     expert_path: `gathered` (each routed row's experts gathered, as gpt-fast), `grouped` (the grouped
     GEMM on the whole resident stacks), or `auto`: grouped where the pool itself runs torch's
@@ -115,16 +122,17 @@ class Decoder:
 
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, keep: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
-                 compiled: bool = False, products: bool | None = None, read_in_place: bool = False):
+                 compiled: bool = False, products: bool | None = None, read_in_place: bool = False,
+                 top_p: float = 1.0):
         device = model.embed.weight.device
         _check(device, window, keep, graphs, expert_path, compiled)
         self.expert_path, self.read_in_place = expert_path, read_in_place
-        self.products = compiled and len(seeds) <= _PRODUCTS_MAX_STREAMS if products is None else products
+        self.products = resolve_products(products, compiled, len(seeds))
         self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
             _compiled_pieces() if compiled else _EAGER_PIECES)
         self.model, self.device, self.window = model, device, window
         self.keep = default_keep(window) if keep is None else keep
-        self.temperature, self.top_k = temperature, top_k
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.n_heads, self.head_dim = model.cfg.n_heads, model.cfg.head_dim
         self.dtype = device_compute_dtype(device)  # what autocast computes in
         self.n_streams = len(seeds)
@@ -139,8 +147,11 @@ class Decoder:
         self._read = self.chunk    # rows of out_CB already read back
         self._backlog: list[list[int]] = []
         self.graph = None
-        if graphs:  # a window may be shorter than the warm-up: each warm-up step writes at position 0
-            self.graph, self.logits_BV = self._capture(self._step, before=self.pos_B.zero_)
+        if graphs or compiled:  # a window may be shorter than the warm-up: each warm-up step writes at position 0
+            if graphs:
+                self.graph, self.logits_BV = self._capture(self._step, before=self.pos_B.zero_)
+            else:  # compiled, eager steps: the compile now, with the capture's warm-up, not at the first character
+                self._warm_up(self._step, before=self.pos_B.zero_)
             with torch.inference_mode():  # prefill and steps overwrite or mask what the warm-up wrote
                 for t in (self.pos_B, self.tok_B, self.slot_1):
                     t.zero_()
@@ -217,7 +228,7 @@ class Decoder:
         self.text_BW.scatter_(1, self.pos_B[:, None], self.tok_B[:, None])
         logits_BV = self._forward()
         noise_BV = None if self.noise_CBV is None else self.noise_CBV.index_select(0, self.slot_1)[0]
-        next_B = pick(logits_BV, self.temperature, self.top_k, noise_BV)
+        next_B = pick(logits_BV, self.temperature, self.top_k, noise_BV, self.top_p)
         self.out_CB.index_copy_(0, self.slot_1, next_B[None])
         self.tok_B.copy_(next_B)
         self.pos_B.add_(1)
@@ -239,6 +250,15 @@ class Decoder:
         memory pool shared with other graphs that never run at once and keep no output."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
+            self._warm_up(run, before)
+            with self._step_context(), torch.cuda.graph(graph, pool=pool):
+                out = run()
+        return graph, out
+
+    def _warm_up(self, run, before=None) -> None:
+        """`run` _WARMUP_STEPS times on a side stream (`before` ahead of each call), the current stream
+        then waiting for it: cuBLAS handles, allocations, Triton tables and a compiled step's compile."""
+        with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), self._step_context():
@@ -247,9 +267,6 @@ class Decoder:
                         before()
                     run()
             torch.cuda.current_stream().wait_stream(side)
-            with self._step_context(), torch.cuda.graph(graph, pool=pool):
-                out = run()
-        return graph, out
 
     # ------------------------------------------------------------------ host side
 
@@ -352,7 +369,7 @@ class Decoder:
         0..T-1: the model's row over [n, T] positions (causal attention among them), each row's keys
         and values written in between. Nothing is returned: the window's last character is the next
         step's input. Static shapes; no host sync where every row's MLP window form has none."""
-        n, Dh = streams_n.shape[0], self.head_dim
+        Dh = self.head_dim
         x_nTD = self.model.embed(self.text_BW.index_select(0, streams_n)[:, :T])
         cos_Td, sin_Td = self.cos_Wd[:T], self.sin_Wd[:T]
         slots_N = (self.first_B2H.index_select(0, streams_n)[..., None] + self.positions_W[:T]).view(-1)  # [n, 2, H, T]

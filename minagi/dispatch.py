@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import probe
 from .mm import GROUPED_MM, Layers, Weight, group_bmm, grouped_mm, layered_bmm
 from .swiglu import swiglu, swiglu_eager
 
@@ -34,23 +35,23 @@ PATHS = ("grouped", "native", "rectangle", "loop")
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's grouped GEMM runs (fast) for this device and compute dtype.
 
-    CUDA: the CUTLASS kernel needs sm90+ and bf16 (elsewhere torch loops per group with a host
-    sync). CPU: torch runs it eagerly in fp32/bf16 (a per-group loop, correct but not fast).
+    CUDA (ROCm included): bf16 only, and only where the probe (minagi/probe.py) finds the kernel
+    running there exact and without host syncs: asked of the device once, not read off its capability
+    number. CPU: torch runs it eagerly in fp32/bf16 (a per-group loop, correct but not fast).
     """
     if GROUPED_MM is None:
         return False
     if device.type == "cuda":
-        if torch.version.hip is not None:
-            return False
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        return dtype == torch.bfloat16 and probe.grouped_mm_works(device, dtype)
     return device.type == "cpu"
 
 
 def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str:
     """Turn the configured dispatch choice into a concrete path, once, when the model is built.
 
-    `auto` takes native grouped GEMM where it is fast (CUDA sm90+, bf16) and the bucketed bmm path
-    everywhere else (ROCm, older GPUs, CPU). An explicit `native` that cannot run is an error.
+    `auto` takes native grouped GEMM where it is fast (CUDA, bf16, the probe passed: `native_supported`)
+    and the bucketed bmm path everywhere else (a GPU the probe refused, CPU). An explicit `native`
+    that cannot run is an error.
     `native` in another dtype than bf16 on CUDA, or under torch.compile, takes the bucketed path:
     the CUDA kernel and the meta kernel compile traces with are bf16-only (torch 2.13: fp32 fails to
     trace though it runs eagerly on the CPU).

@@ -75,9 +75,10 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
 
 # ---------------------------------------------------------------------------- launching
 
-def launch_local(nproc: int, script: str, script_args: list[str]) -> int:
+def launch_local(nproc: int, script: str, script_args: list[str], module: bool = False) -> int:
     """Run `script script_args` as `nproc` ranks on this machine through torchrun's own launcher
     (`torchrun --standalone --nproc_per_node=nproc`, in this process); returns the job's exit code.
+    module: `script` names a module, run as `python -m script` (torchrun's -m).
 
     torchrun reports any worker's non-zero exit as a ChildFailedError traceback of ~40 lines and exits
     1, whatever the worker said and returned. Here the worker's own report (one line from rank 0) is
@@ -92,7 +93,8 @@ def launch_local(nproc: int, script: str, script_args: list[str]) -> int:
 
     # The agent logs each failure (and its rendezvous chatter) besides raising it: the rank has spoken.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", script, *script_args])
+    args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", *(["-m"] if module else []), script,
+                                *script_args])
     try:
         torchrun.run(args)
     except ChildFailedError as e:

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["gumbel_noise", "pick", "stream_keys"]
+__all__ = ["gumbel_noise", "nucleus", "pick", "stream_keys"]
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -71,14 +71,32 @@ def gumbel_noise(keys_B2: Tensor, counts_C: Tensor, vocab_size: int) -> Tensor:
     return (-torch.log(-torch.log(u))).float()
 
 
-def pick(logits_BV: Tensor, temperature: float, top_k: int, gumbel_BV: Tensor | None = None) -> Tensor:
+def pick(logits_BV: Tensor, temperature: float, top_k: int, gumbel_BV: Tensor | None = None,
+         top_p: float = 1.0) -> Tensor:
     """int64 [B]: the next character of each stream. Temperature 0 is greedy (the first of equal
     maxima, as argmax); else a sample of softmax(logits / T) restricted to the top_k likeliest
-    (0 = all; ties with the k-th are kept), drawn with `gumbel_BV`. No host sync, no branch on data."""
+    (0 = all; ties with the k-th are kept), then to the top_p nucleus of those (`nucleus`; 1 = all),
+    drawn with `gumbel_BV`. No host sync, no branch on data."""
     if temperature == 0:
         return logits_BV.argmax(-1)
     scores_BV = logits_BV / temperature
     if 0 < top_k < scores_BV.shape[-1]:
         kth_B1 = scores_BV.topk(top_k, dim=-1).values[:, -1:]
         scores_BV = scores_BV.masked_fill(scores_BV < kth_B1, -math.inf)
+    if top_p < 1:
+        scores_BV = nucleus(scores_BV, top_p)
     return (scores_BV + gumbel_BV).argmax(-1)
+
+
+def nucleus(scores_BV: Tensor, top_p: float) -> Tensor:
+    """Scores outside the top_p nucleus set to -inf: the likeliest characters of softmax(scores) whose
+    probabilities, taken from the likeliest down, first reach top_p (Holtzman et al. 2019, "The Curious
+    Case of Neural Text Degeneration"); ties with the last one kept are kept, and the likeliest always
+    is. Sort, softmax, cumsum and a mask on the device: fixed shapes, no host sync (a CUDA graph
+    captures it)."""
+    sorted_BV = scores_BV.sort(dim=-1, descending=True).values
+    probs_BV = sorted_BV.softmax(-1)
+    before_BV = probs_BV.cumsum(-1) - probs_BV  # the mass of the likelier characters
+    kept_BV = before_BV < top_p  # a prefix: before_BV never decreases
+    last_B1 = sorted_BV.masked_fill(~kept_BV, math.inf).amin(-1, keepdim=True)  # the least score kept
+    return scores_BV.masked_fill(scores_BV < last_B1, -math.inf)

@@ -1,17 +1,34 @@
-"""Load a trained model from a checkpoint, for sampling and reports (not for resuming training), start
-a new run from a trained checkpoint's weights (`init_from_checkpoint`, train.py --init), and load a
-state dict into a model with one-line errors naming the tensor at fault (`load_weights`)."""
+"""Load a trained model from a checkpoint or an exported folder (minagi/export.py), for sampling and
+reports (not for resuming training); find what a path names (`resolve_model_path`: a run folder's
+best.pt, else last.pt); start a new run from a trained checkpoint's weights (`init_from_checkpoint`,
+train.py --init); and load a state dict into a model with one-line errors naming the tensor at fault
+(`load_weights`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from . import export
 from .checkpoint import Checkpoint, CheckpointError
 from .data import Vocab
 from .model import CharLM, build_model
 
 _LISTED = 3  # tensor names a message lists before "(+N more)"
+CHECKPOINT_NAMES = ("best.pt", "last.pt")  # what a run folder is read as, in order
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A file as is; an exported folder as is; a run folder -> its best.pt, else its last.pt. A missing
+    file is `load_trained`'s one-line error, naming it."""
+    p = Path(path)
+    if p.is_dir() and not export.is_export(p):
+        for name in CHECKPOINT_NAMES:
+            if (p / name).is_file():
+                return p / name
+        raise CheckpointError(f"{p}: no {' or '.join(CHECKPOINT_NAMES)} in this folder, nor an exported model "
+                              "(model.safetensors and config.json)")
+    return p
 
 
 def _names(keys: list[str]) -> str:
@@ -51,12 +68,13 @@ def load_weights(model: torch.nn.Module, state: dict, source: str | Path) -> Non
 
 
 def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[CharLM, Vocab, Checkpoint]:
-    """(model in eval mode on `device`, its vocabulary, the checkpoint).
+    """(model in eval mode on `device`, its vocabulary, the checkpoint) from a .pt file or an exported
+    folder (whose checkpoint holds the model, config, vocabulary and step only).
 
     Every problem is a one-line CheckpointError naming the file. Checkpoints of format 1 (before the
     [pool] section) are read through `checkpoint.upgrade_payload`.
     """
-    ckpt = Checkpoint.load(path, map_location="cpu")
+    ckpt = export.read_export(path) if export.is_export(path) else Checkpoint.load(path, map_location="cpu")
     cfg = ckpt.config
     model = build_model(cfg.model, cfg.pool, ckpt.vocab.size, device, dense_width=cfg.dense_width,
                         experts=cfg.experts, init_frozen=False)

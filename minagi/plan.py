@@ -564,7 +564,7 @@ def describe(plan: MemoryPlan, title: str = "") -> str:
         lines.append(f"  {plan.slack.name:<{width}}  {_gib(plan.slack.bytes):>10}   {plan.slack.how}")
         lines.append(f"  {'peak reserved':<{width}}  {_gib(plan.peak_reserved):>10}   what the card must have free")
     else:
-        lines.append(f"  (the CPU: tensors only; the process also holds torch itself, a few hundred MiB)")
+        lines.append("  (the CPU: tensors only; the process also holds torch itself, a few hundred MiB)")
     lines += [f"  - {note}" for note in plan.notes]
     return "\n".join(lines)
 

@@ -1,8 +1,8 @@
 """The training loop between two records: what it measures for the next record (`Interval`) and what it
 shows (`Progress`): a tqdm bar on a terminal; without one (a log file, a job scheduler, where tqdm
-draws nothing) a plain line ten times an evaluation interval. The shown char/s is over the last
-RATE_WINDOW steps, not the interval: the first interval's mean holds torch.compile's minute
-(history.jsonl's chars_per_s stays the interval's mean)."""
+draws nothing) a plain line ten times an evaluation interval. The shown char/s (and its MFU, on CUDA)
+is over the last RATE_WINDOW steps, not the interval: the first interval's mean holds torch.compile's
+minute (history.jsonl's chars_per_s and mfu stay the interval's mean)."""
 from __future__ import annotations
 
 import collections
@@ -41,11 +41,12 @@ class Progress:
     """The bar or the plain lines of one call of the loop; `shown` False shows nothing."""
 
     def __init__(self, *, shown: bool, steps: int, start: int, eval_every: int, device: torch.device,
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], mfu: Callable[[float], float | None] | None = None):
         self.bar = tqdm(total=steps, initial=start, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
                         disable=True if not shown else None, unit="step")
         self.line_every = max(1, min(eval_every, steps) // 10) if shown and self.bar.disable else 0
         self.steps, self.device, self.say = steps, device, say
+        self.mfu = mfu or (lambda chars_per_s: None)  # the MFU of a rate (None: not known here, the CPU)
         self.recent_s: collections.deque[float] = collections.deque(maxlen=RATE_WINDOW)  # step seconds
 
     def step(self, step: int, loss: float, seconds: float, chars: int) -> None:
@@ -57,7 +58,8 @@ class Progress:
         mem = (f"mem {_fmt_bytes(torch.cuda.memory_allocated(self.device))}" if self.device.type == "cuda"
                else f"rss {_fmt_bytes(devices.rss_bytes())}")
         rate = len(self.recent_s) * chars / sum(self.recent_s)
-        status = f"loss {loss:.4f} | {rate:,.0f} char/s | {mem}"
+        mfu = self.mfu(rate)
+        status = f"loss {loss:.4f} | {rate:,.0f} char/s | " + (f"MFU {mfu:.1%} | " if mfu is not None else "") + mem
         if self.bar.disable:
             self.say(f"step {step}/{self.steps}: {status}")
         else:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_write, stale_temp_files
+from . import __version__, watch
 from .checkpoint import Checkpoint, copy_checkpoint, save_checkpoint
 
 __all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
@@ -45,6 +46,7 @@ HISTORY_FIELDS = (
     "heldout_bpc",        # heldout_loss / ln 2
     "lr",                 # learning rate of the last step
     "chars_per_s",        # training throughput since the previous record (eval and saving excluded)
+    "mfu",                # model FLOPs utilisation of that throughput (minagi/flops.py; None off CUDA)
     "wall_s",             # seconds of training since the run began, summed over resumes
     "mem_allocated", "mem_reserved", "mem_peak_allocated", "mem_peak_reserved",
     "alloc_retries", "ooms",
@@ -64,7 +66,10 @@ def _now() -> str:
 
 
 def git_commit(repo_dir: Path = REPO_DIR) -> str | None:
-    """HEAD of the checkout this code runs from; None outside a checkout or before the first commit."""
+    """HEAD of the checkout this code runs from; None outside a checkout or before the first commit, and
+    for an installed copy (site-packages holds no .git: a checkout around the environment is not this code's)."""
+    if not (Path(repo_dir) / ".git").exists():  # a file in a git worktree, a folder in a clone
+        return None
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True,
                               text=True, timeout=10)
@@ -96,7 +101,7 @@ def write_run_info(run_dir: Path, *, config: dict, profile: str, device: str, ar
         info.setdefault("resumes", []).append({**entry, "step": resumed_at_step})
     else:
         info = {"profile": profile, "config": config, **entry,
-                "python": platform.python_version(), "torch": torch.__version__,
+                "python": platform.python_version(), "torch": torch.__version__, "minagi": __version__,
                 "numpy": np.__version__, "platform": platform.platform(), **(extra or {}), "resumes": []}
     _write_json_atomic(path, info)
     return info
@@ -204,6 +209,7 @@ class RunFolder:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.history: History | None = None
+        self.mirror = None                 # a TensorBoard view of the records (minagi/watch.py), if asked
         self.last_step: int | None = None  # the step last.pt holds, once known (written or resumed)
         self.removed: list[Path] = []      # temporary files of dead processes that `claim` removed
         self._lock_fd: int | None = None
@@ -241,10 +247,14 @@ class RunFolder:
             p.unlink(missing_ok=True)
         return self.removed
 
-    def start(self, **run_info) -> None:
-        """Write run.json (see `write_run_info`) and open the history for appending."""
+    def start(self, tensorboard: bool = False, **run_info) -> None:
+        """Write run.json (see `write_run_info`) and open the history for appending; `tensorboard`:
+        mirror each record to TensorBoard in `tensorboard/` too."""
+        watch.require(tensorboard)  # before anything is written: a missing extra leaves no run behind
         self._guard(self.path / "run.json", lambda: write_run_info(self.path, **run_info))
         self.history = History(self.path / "history.jsonl")
+        if tensorboard:
+            self.mirror = watch.TensorBoardMirror(self.path / "tensorboard")
 
     def save_last(self, ckpt: Checkpoint) -> None:
         self._guard(self.last, lambda: save_checkpoint(self.last, ckpt.to_payload()), self.kept())
@@ -261,18 +271,25 @@ class RunFolder:
         self.save_last(dataclasses.replace(ckpt, record=record))
         if improved:
             self._guard(self.best, lambda: copy_checkpoint(self.last, self.best))
+        self._append(record)
+
+    def _append(self, record: dict) -> None:
+        """The one place a record is written: the history line, then its mirror."""
         self._guard(self.history.path, lambda: self.history.append(record))
+        if self.mirror is not None:
+            self._guard(self.mirror.log_dir, lambda: self.mirror.write(record))
 
     def reconcile(self, record: dict | None) -> bool:
         """Append the checkpoint's `record` if the history lacks its step (a kill between the
         checkpoint and the history line); True when it did."""
         if record is None:
             return False
+        record = {k: record.get(k) for k in HISTORY_FIELDS}  # a checkpoint of older code lacks newer fields
         path = self.path / "history.jsonl"
         steps = {r.get("step") for r in read_history(path)} if path.exists() else set()
         if record["step"] in steps:
             return False
-        self._guard(path, lambda: self.history.append(record))
+        self._append(record)
         return True
 
     def close(self, discard_if_empty: bool = False) -> None:
@@ -281,6 +298,9 @@ class RunFolder:
         if self.history is not None:
             self.history.close()
             self.history = None
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
         if self._lock_fd is not None:
             if discard_if_empty and [p.name for p in self.path.iterdir()] == ["run.lock"]:
                 try:  # still holding the lock: no other run is in it

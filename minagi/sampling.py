@@ -27,18 +27,21 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .decode import EXPERT_PATHS, Decoder, default_keep, inference
+from .compile_cache import CompileCache, decode_key
+from .decode import EXPERT_PATHS, Decoder, default_keep, inference, resolve_products
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
 from .model import CharLM
 
-__all__ = ["GRAPHS", "OFFLOAD_READS", "SamplingError", "default_keep", "default_prompt", "generate",
+__all__ = ["GRAPHS", "OFFLOAD_READS", "Ready", "SamplingError", "default_keep", "default_prompt", "generate",
            "resolve_graphs", "resolve_offload_read", "write"]
 
 GRAPHS = ("auto", "on", "off")
@@ -93,7 +96,7 @@ def resolve_graphs(choice: str, device: torch.device, model: CharLM | None = Non
 
 
 def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temperature: float, top_k: int,
-           window: int | None, keep: int | None) -> tuple[list[list[int]], int, int]:
+           window: int | None, keep: int | None, top_p: float = 1.0) -> tuple[list[list[int]], int, int]:
     """(prompt ids, window, keep), or SamplingError / VocabError naming what is wrong."""
     context = model.cfg.context
     window = context if window is None else window
@@ -108,6 +111,8 @@ def _check(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, temper
         raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy); got {temperature}")
     if top_k < 0:
         raise SamplingError(f"top_k must be >= 0 (0 = off); got {top_k}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise SamplingError(f"top_p must be a number in (0, 1] (1 = off); got {top_p}")
     if not prompts:
         raise SamplingError("no prompts: give one per stream")
     ids = []
@@ -134,21 +139,27 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
           top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
           window: int | None = None, keep: int | None = None, graphs: str = "auto",
           offload_read: str = "auto", sync_every: int = 1, expert_path: str = "auto",
-          compiled: bool = False, products: bool | None = None) -> Iterator[list[str]]:
+          compiled: bool = False, products: bool | None = None, top_p: float = 1.0,
+          on_ready: Callable[[Ready], None] | None = None) -> Iterator[list[str]]:
     """Yield, for each of `n_chars` positions, one character of every stream: stream i continues
     `prompts[i]` with seed `seed + i`, and equals `generate(..., prompts[i], seed=seed + i)` (on a GPU
     up to bf16 rounding, which kernels for a batch may do differently from kernels for one stream).
 
-    graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
+    top_p: after top_k, sample only within the nucleus of this probability mass (`gumbel.nucleus`;
+    1 = off). graphs: `auto` (CUDA graphs on a CUDA device), `on` (an error elsewhere) or `off`.
     offload_read: how offloaded frozen experts are read (`resolve_offload_read`).
     expert_path: how a step runs its experts (`decode.Decoder`; `auto` unless measuring).
-    compiled: the step's pieces through torch.compile (CUDA, resident experts; a one-off compile).
+    compiled: the step's pieces through torch.compile (CUDA, resident experts): compiled once per model
+    shape and number of streams on a machine, the compile's artifacts kept under ~/.cache/minagi/compile
+    (minagi/compile_cache.py) for the next process of that shape.
+    on_ready: called once the decoder is set up (its graphs captured, its step compiled), before the
+    prompts' prefill, with what that fixed cost was (`Ready`); the writing rate is from there on.
     products: the step's products written as sums (`decode.Decoder`; None, its rule, unless measuring).
     sync_every: steps written between two reads of the characters (the host sync); 1 streams each
     character as it is written, more lets the host queue steps ahead. Other arguments as `generate`,
     checked here, before the first character is asked for.
     """
-    ids, window, keep = _check(model, vocab, prompts, n_chars, temperature, top_k, window, keep)
+    ids, window, keep = _check(model, vocab, prompts, n_chars, temperature, top_k, window, keep, top_p)
     if sync_every < 1:
         raise SamplingError(f"sync_every must be >= 1; got {sync_every}")
     device = _model_device(model, device)
@@ -160,23 +171,41 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
         raise SamplingError(f"a compiled step needs a CUDA device (Triton); writing runs on {device.type} here")
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
-    return _write(model, vocab, ids, n_chars, temperature, top_k, seed, window, keep, use_graphs, sync_every, read,
-                  (expert_path, compiled, products))
+    return _write(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, window, keep, use_graphs,
+                  sync_every, read, (expert_path, compiled, products), on_ready)
 
 
-def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temperature: float, top_k: int,
-           seed: int, window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple
-           ) -> Iterator[list[str]]:
+@dataclass(frozen=True)
+class Ready:
+    """What setting up the decoder cost, before the first character: `seconds` of it, whether it
+    captured CUDA graphs and compiled the step, and the compile cache's `CompileCache.status` and file."""
+    seconds: float
+    graphs: bool
+    compiled: bool
+    cache: str | None = None
+    cache_path: str | None = None
+
+    def describe(self) -> str:
+        """e.g. `compile and capture 1.52 s (compile cache hit: ~/.cache/minagi/compile/….bin)`."""
+        what = " and ".join(w for w, on in (("compile", self.compiled), ("capture", self.graphs)) if on) or "set-up"
+        cache = {"hit": "hit", "miss": "miss, written for the next run", "unreadable": "unreadable, written again",
+                 "unsaved": "miss, not written (nothing to save, or the folder is not writable)",
+                 "unavailable": "not in this torch"}.get(self.cache or "")
+        return f"{what} {self.seconds:.2f} s" + (f" (compile cache {cache}: {self.cache_path})" if cache else "")
+
+
+def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, sampler: tuple, seed: int,
+           window: int, keep: int, graphs: bool, sync_every: int, read: str | None, step: tuple,
+           on_ready: Callable[[Ready], None] | None) -> Iterator[list[str]]:
     if n_chars == 0:
         return
     B = len(ids)
-    expert_path, compiled, products = step
-    decoder = Decoder(model, [seed + i for i in range(B)], window, keep=keep, temperature=temperature,
-                      top_k=top_k, graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
-                      read_in_place=read == "experts")
     windows = [stream[-window:] for stream in ids]  # what each stream's model sees, the newest included
     slides = _Slides([len(w) for w in windows], window, keep)
-    decoder.prepare_slides(slides.copy().sizes(n_chars - 1))
+    decoder, ready = _set_up(model, [seed + i for i in range(B)], window, keep, sampler, graphs, read, step,
+                             slides.copy().sizes(n_chars - 1))
+    if on_ready is not None:
+        on_ready(ready)
     decoder.prefill(list(range(B)), windows)
     for written in range(1, n_chars + 1):
         decoder.advance()
@@ -187,6 +216,30 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, temp
             # The step just queued runs on while the host reads the ones before it (all at the end).
             for row in decoder.read(lag=0 if written == n_chars else 1):
                 yield [vocab.chars[c] for c in row]
+
+
+def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tuple, graphs: bool,
+            read: str | None, step: tuple, slide_sizes: set[int]) -> tuple[Decoder, Ready]:
+    """The decoder, its graphs captured and step compiled (a compiled step's caches loaded from disk
+    first, and written there after a compile), and what that took."""
+    (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
+    start = time.perf_counter()
+    device = model.embed.weight.device
+    cache = None
+    if compiled:
+        cache = CompileCache(decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)),
+                                        expert_path, device))
+        cache.load()
+    decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+                      graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                      read_in_place=read == "experts")
+    decoder.prepare_slides(slide_sizes)
+    status = None
+    if cache is not None:
+        status = cache.status if cache.save() or cache.status in ("hit", "unavailable") else "unsaved"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the set-up's time, not the writing's
+    return decoder, Ready(time.perf_counter() - start, graphs, compiled, status, cache and str(cache.path))
 
 
 class _Slides:
@@ -224,33 +277,34 @@ def _last_logits(model: CharLM, ids: list[int], device: torch.device) -> Tensor:
     return logits_1TV[0, -1].float()
 
 
-def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | None) -> int:
+def _pick(logits_V: Tensor, temperature: float, top_k: int, noise_V: Tensor | None, top_p: float = 1.0) -> int:
     """`gumbel.pick` for one stream; the host sync that brings the character back."""
-    chosen = pick(logits_V[None], temperature, top_k, None if noise_V is None else noise_V[None])
+    chosen = pick(logits_V[None], temperature, top_k, None if noise_V is None else noise_V[None], top_p)
     return int(chosen[0])
 
 
 def generate(model: CharLM, vocab: Vocab, prompt: str, n_chars: int, temperature: float = 0.8,
              top_k: int = 0, seed: int = 1337, device: torch.device | str | None = None, *,
-             window: int | None = None, keep: int | None = None) -> Iterator[str]:
+             window: int | None = None, keep: int | None = None, top_p: float = 1.0) -> Iterator[str]:
     """Yield `n_chars` characters written after `prompt`, one at a time, as each is sampled: the
     readable reference, which runs the model's whole forward over the window for every character
     (slow: `write` is the fast path, tested equal to this).
 
     device: where the model's parameters are (default: there). window: most characters the model
     sees (default and maximum: its trained context). keep: characters kept on a slide (default
-    `default_keep(window)`, 1..window). The prompt is not yielded; a prompt longer than the window
+    `default_keep(window)`, 1..window). top_p: as `write`. The prompt is not yielded; a prompt longer than the window
     conditions on its last `window` characters.
     Arguments are checked here, before the first character is asked for: SamplingError for a bad
     number, VocabError naming prompt characters outside the vocabulary.
     """
-    (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep)
+    (ids,), window, keep = _check(model, vocab, [prompt], n_chars, temperature, top_k, window, keep, top_p)
     device = _model_device(model, device)
-    return _stream(model, vocab, ids, n_chars, temperature, top_k, seed, device, window, keep)
+    return _stream(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, device, window, keep)
 
 
-def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperature: float, top_k: int,
-            seed: int, device: torch.device, window: int, keep: int) -> Iterator[str]:
+def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, sampler: tuple, seed: int,
+            device: torch.device, window: int, keep: int) -> Iterator[str]:
+    temperature, top_k, top_p = sampler
     keys_12 = stream_keys([seed], device)
     start = max(0, len(ids) - window)  # the model sees ids[start:], never more than `window` of them
     noise_CV = None
@@ -261,7 +315,7 @@ def _stream(model: CharLM, vocab: Vocab, ids: list[int], n_chars: int, temperatu
                 counts_C = torch.arange(index, index + _NOISE_CHUNK, device=device)
                 noise_CV = gumbel_noise(keys_12, counts_C, model.vocab_size)[:, 0]
         noise_V = None if noise_CV is None else noise_CV[index % _NOISE_CHUNK]
-        char_id = _pick(_last_logits(model, ids[start:], device), temperature, top_k, noise_V)
+        char_id = _pick(_last_logits(model, ids[start:], device), temperature, top_k, noise_V, top_p)
         ids.append(char_id)
         yield vocab.chars[char_id]
         if len(ids) - start > window:  # the next character does not fit: slide to the last `keep`

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import devices, distributed
+from . import devices, distributed, watch
 from .assemble import Training, build_training, restore_training
 from .checkpoint import Checkpoint, CorpusSummary
 from .config import Config, ConfigError, config_to_dict
@@ -44,6 +44,7 @@ def start_run(cfg: Config, profile_name: str, resume: str | Path | None, *, init
               world_size: int, device: torch.device, argv: list[str] | None,
               say: Callable[[str], None]) -> RunStart:
     """A new run (`resume` None; from the weights of `init` if given) or the resumed run in `resume`."""
+    watch.require(cfg.train.tensorboard)  # on every rank, before the folder is claimed
     folder, run_name, ckpt = _open_folder(cfg, profile_name, resume, rank, world_size)
     try:
         start, schedule_note = _set_up(cfg, folder, run_name, ckpt, init, rank, world_size, device, say)
@@ -144,7 +145,7 @@ def _start_folder(start: RunStart, cfg: Config, profile_name: str, argv: list[st
         names = ", ".join(p.name for p in removed[:4]) + (", ..." if len(removed) > 4 else "")
         say(f"removed {len(removed)} temporary file(s) that a stopped run left: {names}")
     resumed_at = ckpt.step if ckpt is not None else None
-    folder.start(config=config_to_dict(cfg), profile=profile_name, device=devices.device_name(device),
+    folder.start(tensorboard=cfg.train.tensorboard, config=config_to_dict(cfg), profile=profile_name, device=devices.device_name(device),
                  argv=argv if argv is not None else sys.argv, world_size=world_size, resumed_at_step=resumed_at,
                  extra={"corpus": CorpusSummary.of(corpus).to_dict()})
     record = ckpt.record if ckpt is not None else None

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from . import devices, distributed
+from . import devices, distributed, flops
 from .assemble import Training, build_training, check_world_size
 from .checkpoint import Checkpoint, CorpusSummary, Meter, capture_rng_state
 from .config import Config, ConfigError
@@ -194,6 +194,11 @@ class Trainer:
             raise
         self.result = TrainResult(run_dir=self.folder.path, start_step=self.state.step, step=self.state.step,
                                   best_heldout_loss=self.state.best)
+        # MFU's two constants: the model's FLOPs a character, the device's matmul rate (measured once; None off CUDA).
+        self.per_char, self.tflops = flops.flops_per_char(cfg, self.corpus.vocab.size), flops.matmul_tflops(device)
+
+    def _mfu(self, chars_per_s: float | None) -> float | None:
+        return flops.mfu(self.per_char, chars_per_s, self.tflops, self.world_size)
 
     def _checkpoint(self) -> Checkpoint | None:
         """The run as it stands, what last.pt holds, on rank 0 (None elsewhere). Under FSDP or expert
@@ -213,7 +218,7 @@ class Trainer:
     def run(self) -> TrainResult:
         tc, state = self.cfg.train, self.state
         self.shown = Progress(shown=self.progress and self.is_main, steps=tc.steps, start=state.step,
-                              eval_every=tc.eval_every, device=self.device, say=self.say)
+                              eval_every=tc.eval_every, device=self.device, say=self.say, mfu=self._mfu)
         devices.memory_stats(self.device)  # reset the peaks: the first record covers this call's steps only
         # A resume whose evaluation is due records the learning rate of the step before it.
         last_lr = self.training.scheduler.base_lrs[0] * self.training.schedule(state.step - 1)
@@ -334,7 +339,8 @@ class Trainer:
         sinks = state.routing.read(self.cfg.pool.sink_ratio, reset=True)
         record = {"step": state.step, "chars_seen": state.step * self._chars_per_step(), **state.take_means(),
                   "heldout_loss": heldout, "heldout_bpc": heldout / LN2, "lr": self.interval.lr,
-                  "chars_per_s": self.interval.chars_per_s, "wall_s": state.wall_s,
+                  "chars_per_s": self.interval.chars_per_s, "mfu": self._mfu(self.interval.chars_per_s),
+                  "wall_s": state.wall_s,
                   **devices.memory_stats(self.device), "sinks": sinks,
                   "dropped_fraction": sum(d["dropped_fraction"] for d in sinks) / max(1, len(sinks)),
                   "max_vio": mean_max_vio(sinks),

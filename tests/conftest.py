@@ -1,17 +1,17 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The tests import minagi from this clone, installed or not; so do the tools and scripts they run in
+# subprocesses (the tools import the installed package: here, this clone's, through PYTHONPATH).
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from tiny import write_tiny_text  # noqa: E402
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
 
 
 @pytest.fixture

@@ -34,17 +34,19 @@ def test_a_corpus_that_is_not_there_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_flops_per_char_count_the_shared_experts_and_match_the_twins_at_equal_active_width():
+    def per_char(cfg):
+        return bench_train.flops_per_char(cfg, bench_train.VOCAB)
     from minagi.config import load_config
     base = ["model.n_rows=2", "model.d_model=64", "model.n_heads=4", "model.context=32", "pool.n_experts=8",
             "pool.d_expert=16"]
     top4 = load_config(None, [*base, "pool.top_k=4"])
     shared = load_config(None, [*base, "pool.top_k=3", "pool.shared_experts=1"])
     twin = load_config(None, [*base, "pool.top_k=3", "pool.shared_experts=1", "model.mlp=dense"])
-    assert bench_train.flops_per_char(shared) == bench_train.flops_per_char(top4)  # 1 + 3 experts = 4
+    assert per_char(shared) == per_char(top4)  # 1 + 3 experts = 4
     router = 6 * 2 * 64 * 8  # what the twin does not compute: 6 x rows x D x E
-    assert bench_train.flops_per_char(twin) == bench_train.flops_per_char(shared) - router
+    assert per_char(twin) == per_char(shared) - router
     one_more = load_config(None, [*base, "pool.top_k=3", "pool.shared_experts=2"])
-    assert bench_train.flops_per_char(one_more) - bench_train.flops_per_char(shared) == 6 * 2 * 3 * 64 * 16
+    assert per_char(one_more) - per_char(shared) == 6 * 2 * 3 * 64 * 16
 
 
 def test_bench_measures_fsdp_in_one_process_on_a_one_rank_group_it_then_leaves(tmp_path, capsys):

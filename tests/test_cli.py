@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import sample as sample_py
-import train as train_py
+from minagi import sample as sample_py
+from minagi import train as train_py
 from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -83,7 +83,7 @@ def test_compile_without_triton_on_a_gpu_is_refused_at_start_in_one_line(monkeyp
 
 
 def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(monkeypatch, tmp_path, capsys):
-    import train as train_py
+    from minagi import train as train_py
     from minagi import devices
     monkeypatch.setattr(devices, "has_triton", lambda: False)
     monkeypatch.setattr(devices, "choose_device", lambda requested, option="train.device": torch.device("cuda"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train as train_py
+from minagi import train as train_py
 from minagi import assemble, distributed, trainer
 from minagi.checkpoint import load_checkpoint
 from minagi.config import load_config
@@ -55,7 +55,7 @@ WORKER = '''
 import os, sys, time, types
 sys.path.insert(0, os.getcwd())
 import torch
-import train as train_py
+from minagi import train as train_py
 from minagi import assemble, start, trainer
 
 out_dir, freeze, argv = sys.argv[1], sys.argv[2] == "freeze", sys.argv[3:]

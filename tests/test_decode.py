@@ -113,6 +113,14 @@ def test_static_decode_equals_the_uncached_reference_in_characters_and_logits_ac
     assert window == 1 or not torch.allclose(static_logits[0], static_logits[-1], atol=1e-2)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (3, 0.5)], ids=["top-p-0.8", "top-k-3-then-top-p-0.5"])
+def test_static_decode_with_top_p_writes_the_references_text_across_slides(model, top_k, top_p):
+    kwargs = {"temperature": 1.5, "top_k": top_k, "top_p": top_p}
+    streams = fast(model, ["the ", "a quick"], 45, **kwargs)
+    assert streams == [reference(model, p, 45, seed=7 + i, **kwargs) for i, p in enumerate(["the ", "a quick"])]
+    assert streams != fast(model, ["the ", "a quick"], 45, temperature=1.5, top_k=top_k)  # the nucleus acted
+
+
 @pytest.mark.parametrize("temperature, window, keep", [(0.0, None, None), (1.0, 3, 2)], ids=["greedy", "t1-window-3"])
 def test_the_products_step_writes_the_references_text_across_slides(model, temperature, window, keep):
     # The compiled few-stream step's formulation (products and sums, top-k by rounds), run eagerly.
@@ -212,9 +220,9 @@ def test_a_slide_reads_nothing_back_where_the_prefills_mlp_has_no_host_sync(kind
 # ------------------------------------------------------------------------------ the step
 
 def _decoder(model: CharLM, streams: int = 2, temperature: float = 1.0, top_k: int = 3,
-             expert_path: str = "auto") -> Decoder:
+             expert_path: str = "auto", top_p: float = 1.0) -> Decoder:
     decoder = Decoder(model, list(range(streams)), CONTEXT, temperature=temperature, top_k=top_k,
-                      expert_path=expert_path)
+                      expert_path=expert_path, top_p=top_p)
     decoder.prefill(list(range(streams)), [[1, 2, 3, 4, 5][:i + 1] for i in range(streams)])
     decoder.advance()  # makes the first noise table: what follows is the step alone
     return decoder
@@ -247,6 +255,16 @@ def test_the_step_traces_as_one_static_graph_with_no_host_sync_and_no_branch_on_
     # for (bf16 only): traced here gathered; the grouped step's sync check is the CUDA test below.
     _trace_step(_decoder(model, expert_path="gathered" if model.pools() and model.pools()[0].path == "native"
                          else "auto"))
+
+
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
+def test_the_step_with_top_p_stays_one_static_graph_that_reads_nothing_back(kind, monkeypatch):
+    decoder = _decoder(make_model(kind), streams=3, top_p=0.7)
+    _trace_step(decoder)  # sort, cumsum and mask: no data-dependent shape, no branch, no read-back
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, **k: pytest.fail("the step read a tensor back"))
+    with decoder._step_context():
+        decoder._step()
 
 
 @pytest.mark.parametrize("bad_pick", [
@@ -385,8 +403,8 @@ def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypa
 @pytest.mark.parametrize("kind", ["grouped", "native", "dense", "nf4"])
 def test_the_step_makes_no_host_sync_on_cuda(kind):
     model = make_model(kind, "cuda")
-    for graphs in (False, True):
-        decoder = Decoder(model, [0, 1, 2, 3], CONTEXT, temperature=1.0, top_k=3, graphs=graphs)
+    for graphs, top_p in ((False, 1.0), (True, 1.0), (True, 0.9)):
+        decoder = Decoder(model, [0, 1, 2, 3], CONTEXT, temperature=1.0, top_k=3, graphs=graphs, top_p=top_p)
         assert kind != "native" or isinstance(decoder.mlps[0], GroupedStep)  # 4 streams x top_k 2 >= 2 x 4 experts
         decoder.prefill([0, 1, 2, 3], [[1, 2, 3], [4], [5, 6], [7]])
         decoder.advance()  # the first noise table is made outside the step

@@ -1,4 +1,4 @@
-"""tools/evaluate.py: the sliding windows score each character once, the nats equal a brute-force
+"""minagi/evaluate.py (tools/evaluate.py, minagi-eval): the sliding windows score each character once, the nats equal a brute-force
 forward per position, unknown characters are counted and split the text, and the CLI's errors."""
 import json
 import math
@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from minagi import evaluate
 from minagi.loading import load_trained
+from tiny import run_tiny, tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import evaluate  # noqa: E402
-from tiny import run_tiny, tiny_text
 
 CONTEXT = 16
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",

@@ -324,7 +324,7 @@ def test_auto_gives_offs_bits_with_one_stack_pinned_and_another_recomputed_in_th
 
 
 def test_a_set_replay_pin_beats_the_environment_variable(monkeypatch):
-    import train as train_py
+    from minagi import train as train_py
     monkeypatch.setenv("MINAGI_REPLAY_PIN", "1")
     cfg, _ = train_py.resolve(train_py.parse_args(["--profile", "cpu_tiny"]))
     assert cfg.experts.replay_pin == "on"

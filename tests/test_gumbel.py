@@ -56,3 +56,58 @@ def test_greedy_is_argmax_taking_the_first_of_equal_maxima_and_needs_no_noise():
     logits_BV = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
     assert pick(logits_BV, 0.0, 0).tolist() == [1, 0]
     assert pick(logits_BV, 0.0, 2).tolist() == [1, 0]  # top_k does not matter then
+
+
+def _nucleus_reference(scores: list[float], top_p: float) -> set[int]:
+    """The readable top-p: the likeliest characters, one at a time, until their probability reaches
+    top_p; then every character tied with the last one taken."""
+    peak = max(scores)
+    weights = [math.exp(s - peak) for s in scores]
+    probs = [w / sum(weights) for w in weights]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    kept, mass = [], 0.0
+    for i in order:
+        if kept and mass >= top_p:
+            break
+        kept.append(i)
+        mass += probs[i]
+    return {i for i, s in enumerate(scores) if s >= scores[kept[-1]]}
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.5, 0.62, 0.9, 0.999])
+def test_the_nucleus_keeps_what_the_readable_top_p_keeps(top_p):
+    from minagi.gumbel import nucleus
+    gen = torch.Generator().manual_seed(3)
+    scores_BV = torch.randn(64, 11, generator=gen) * 2
+    scores_BV[5] = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, -1.0, 2.0, 2.0, -3.0, 0.5, 0.5])  # ties
+    kept_BV = nucleus(scores_BV, top_p) > -math.inf
+    for b in range(scores_BV.shape[0]):
+        want = _nucleus_reference(scores_BV[b].double().tolist(), top_p)
+        assert set(kept_BV[b].nonzero()[:, 0].tolist()) == want, b
+        assert nucleus(scores_BV, top_p)[b][kept_BV[b]].equal(scores_BV[b][kept_BV[b]])  # kept scores unchanged
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.7), (2.0, 5, 0.8), (0.5, 0, 0.95)])
+def test_top_p_samples_the_renormalised_nucleus_after_top_k(temperature, top_k, top_p):
+    logits_V = torch.tensor([1.0, 2.0, 0.5, -1.0, 3.0, 0.0, 2.5])
+    n = 100_000
+    noise_NV = gumbel_noise(stream_keys([42]), torch.arange(n), 7)[:, 0]
+    chosen = pick(logits_V.expand(n, 7), temperature, top_k, noise_NV, top_p)
+    freq = torch.bincount(chosen, minlength=7).double() / n
+    scores = (logits_V.double() / temperature).tolist()
+    if top_k:  # top-k first, then the nucleus of the top-k's softmax
+        kth = sorted(scores, reverse=True)[top_k - 1]
+        scores = [s if s >= kth else -math.inf for s in scores]
+    kept = _nucleus_reference(scores, top_p)
+    probs = torch.tensor([math.exp(s) if i in kept else 0.0 for i, s in enumerate(scores)], dtype=torch.float64)
+    probs /= probs.sum()
+    assert (freq[probs == 0] == 0).all() and len(kept) < 7
+    tolerance = 5 * (probs * (1 - probs) / n).sqrt() + 1e-4
+    assert ((freq - probs).abs() <= tolerance).all(), (freq, probs)
+
+
+def test_top_p_one_changes_nothing_and_greedy_ignores_it():
+    logits_BV = torch.randn(8, 9, generator=torch.Generator().manual_seed(1))
+    noise_BV = gumbel_noise(stream_keys([7]), torch.arange(8), 9)[:, 0]
+    assert pick(logits_BV, 0.9, 0, noise_BV, 1.0).equal(pick(logits_BV, 0.9, 0, noise_BV))
+    assert pick(logits_BV, 0.0, 0, None, 0.1).equal(logits_BV.argmax(-1))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train as train_py
+from minagi import train as train_py
 from minagi import checkpoint, runlog
 from minagi.checkpoint import load_checkpoint
 from minagi.runlog import HISTORY_FIELDS, History, RunFolder, read_history

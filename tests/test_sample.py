@@ -9,6 +9,7 @@ wrong characters, changes the logits well beyond rounding.
 """
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import sample as sample_py
+from minagi import sample as sample_py
 from minagi import decode, sampling
 from minagi.checkpoint import capture_rng_state, save_checkpoint
 from minagi.config import config_to_dict, load_config
@@ -201,6 +202,15 @@ def test_top_k_only_ever_writes_one_of_the_k_likeliest_characters(trained, monke
         assert vocab.chars.index(char) in torch.topk(logits_V, 3).indices.tolist()
 
 
+def test_sample_py_top_p_writes_what_the_reference_writes_with_that_nucleus(run_dir, trained, capsys):
+    assert sample_py.main([str(run_dir / "last.pt"), "--prompt", "the ", "--chars", "40", "--seed", "5",
+                           "--temperature", "1.5", "--top-k", "6", "--top-p", "0.6", "--no-echo"]) == 0
+    model, vocab = trained
+    expected = "".join(generate(model, vocab, "the ", 40, 1.5, 6, 5, "cpu", top_p=0.6))
+    assert capsys.readouterr().out == expected
+    assert expected != "".join(generate(model, vocab, "the ", 40, 1.5, 6, 5, "cpu"))
+
+
 def test_zero_characters_yields_nothing_and_the_default_prompt_is_a_newline(trained):
     model, vocab = trained
     assert list(generate(model, vocab, "a", 0, 0.8, 0, 1337, "cpu")) == []
@@ -216,6 +226,8 @@ def test_bad_arguments_fail_when_generate_is_called_not_at_the_first_character(t
                           ({"temperature": -0.5}, "temperature must be"),
                           ({"temperature": float("nan")}, "temperature must be"),
                           ({"top_k": -2}, "top_k must be >= 0"),
+                          ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\]"),
+                          ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]"),
                           ({"window": CONTEXT + 1}, r"window must be 1\.\.16"),
                           ({"window": 8, "keep": 9}, r"keep must be 1\.\.8"),
                           ({"prompt": ""}, "prompt is empty")]:
@@ -238,7 +250,10 @@ def test_sample_py_end_to_end_echoes_the_prompt_then_exactly_chars_characters(ru
     model, vocab = trained
     expected = "".join(generate(model, vocab, "the ", 70, 0.8, 5, 5, "cpu"))
     assert done.stdout == "the " + expected
-    assert done.stderr.strip().splitlines()[-1].startswith("wrote 70 chars in ")
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("wrote 70 chars in ")
+    # The fixed cost on its own line, apart from the writing rate: load, then the decoder's set-up.
+    assert re.fullmatch(r"ready in \d+\.\d\d s: load \d+\.\d\d s, set-up \d+\.\d\d s", lines[-2]), lines
     assert "char/s)" in done.stderr
 
 
@@ -254,7 +269,8 @@ def test_sample_py_reads_a_run_folder_as_its_best_pt_else_last_pt(run_dir, tmp_p
     assert len(out.out) == 9 and f"{folder / 'best.pt'}: step 0" in out.err
     assert sample_py.main([str(tmp_path)]) == 2  # a folder without either
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {tmp_path}: no best.pt or last.pt in this folder"]
+    assert err == [f"error: {tmp_path}: no best.pt or last.pt in this folder, nor an exported model "
+                   "(model.safetensors and config.json)"]
 
 
 def test_sample_py_flushes_every_character_as_it_is_written(run_dir, monkeypatch, capsys):
@@ -324,6 +340,8 @@ def test_sample_py_prompt_outside_the_vocabulary_is_one_line_naming_the_characte
 @pytest.mark.parametrize("args, says", [(["--chars", "-3"], "--chars: must be >= 0"),
                                         (["--temperature", "-0.1"], "--temperature: must be a finite"),
                                         (["--top-k", "-1"], "--top-k: must be >= 0"),
+                                        (["--top-p", "0"], "--top-p: must be a number in (0, 1]"),
+                                        (["--top-p", "1.2"], "--top-p: must be a number in (0, 1]"),
                                         (["--chars", "many"], "--chars: expected a whole number")])
 def test_sample_py_negative_or_malformed_numbers_exit_2_naming_the_option(run_dir, capsys, args, says):
     with pytest.raises(SystemExit) as exit_:

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-import train as train_py
-from minagi import runlog, start, trainer
+from minagi import train as train_py
+from minagi import flops, runlog, start, trainer
 from minagi import step as step_module
 from minagi.checkpoint import load_checkpoint
 from minagi.config import ConfigError, load_config
@@ -723,3 +723,39 @@ def test_the_progress_lines_rate_is_the_last_steps_not_a_mean_holding_the_compil
     assert rates[4] == round(4 * 64 / 101.5) and all(rates[s] == 128 for s in range(20, 41, 4))
     history = [json.loads(line) for line in (tmp_path / "runs" / "run" / "history.jsonl").read_text().splitlines()]
     assert history[-1]["chars_per_s"] == pytest.approx(40 * 64 / (100 + 39 * 0.5))
+
+
+def test_with_a_matmul_rate_the_progress_line_and_every_record_give_the_mfu(tmp_path, monkeypatch):
+    """MFU = FLOPs a character (minagi/flops.py) x char/s / the device's matmul rate: a rate faked here
+    (the CPU has none: null there) that makes the lines' 128 char/s 25%."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def perf_counter():
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:
+            clock["now"] += 0.5  # 64 characters a step: 128 char/s
+        return clock["now"]
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=perf_counter, strftime=time.strftime))
+    cfg = tiny_cfg(tmp_path, None, "train.steps=40", "train.eval_every=20")
+    per_char = flops.flops_per_char(cfg, len(set(tiny_text())))
+    rate = per_char * 128 / 0.25 / 1e12  # TFLOP/s
+    monkeypatch.setattr(flops, "matmul_tflops", lambda device: rate)
+    lines = []
+    train(cfg, "tiny", progress=True, log=lines.append, argv=["test"])
+    shown = [line for line in lines if re.match(r"step \d+/40: loss \S+ \| 128 char/s \| MFU 25\.0% \| rss ", line)]
+    assert len(shown) >= 5, lines
+    history = [json.loads(line) for line in (tmp_path / "runs" / "run" / "history.jsonl").read_text().splitlines()]
+    assert [r["mfu"] for r in history] == [pytest.approx(0.25)] * 2
+    assert history[0]["mfu"] == pytest.approx(per_char * history[0]["chars_per_s"] / (rate * 1e12))
+
+
+def test_the_flops_of_a_character_and_the_mfu_of_a_rate():
+    cfg = load_config(None, ["model.n_rows=2", "model.d_model=32", "model.context=16", "pool.n_experts=4",
+                             "pool.top_k=2", "pool.d_expert=8"])
+    # 6 x (attention 4 D^2 + router D E + top_k experts 3 D F, a row; head D V) + 12 x rows x D x context
+    assert flops.flops_per_char(cfg, 10) == 6 * (2 * (4 * 32**2 + 32 * 4 + 2 * 3 * 32 * 8) + 32 * 10) + 12 * 2 * 32 * 16
+    dense = load_config(None, ["model.mlp=dense", "model.d_model=32", "pool.top_k=2", "pool.d_expert=8"])
+    assert flops.flops_per_char(dense, 10) == 6 * (2 * (4 * 32**2 + 3 * 32 * 16) + 32 * 10) + 12 * 2 * 32 * 64
+    assert flops.mfu(1e6, 1e6, 4.0, ranks=2) == pytest.approx(0.125)  # 1e12 FLOP/s of 2 x 4e12
+    assert flops.mfu(1e6, None, 4.0) is None and flops.mfu(1e6, 1e6, None) is None
+    assert flops.matmul_tflops(torch.device("cpu")) is None

@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import load_config  # noqa: E402
-from minagi.data import Vocab  # noqa: E402
-from minagi.decode import Decoder, auto_grouped  # noqa: E402
-from minagi.devices import host_syncs  # noqa: E402
-from minagi.frozen import frozen_stacks  # noqa: E402
-from minagi.model import CharLM, build_model  # noqa: E402
-from minagi.sampling import generate, write  # noqa: E402
+from minagi.config import load_config
+from minagi.data import Vocab
+from minagi.decode import Decoder, auto_grouped
+from minagi.devices import host_syncs
+from minagi.frozen import frozen_stacks
+from minagi.model import CharLM, build_model
+from minagi.sampling import generate, write
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PROMPT = "def main():\n    "

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import PoolConfig  # noqa: E402
-from minagi.dense import dense_swiglu  # noqa: E402
-from minagi.dispatch import PATHS, native_supported, resolve_dispatch  # noqa: E402
-from minagi.pool import PooledMLP  # noqa: E402
+from minagi.config import PoolConfig
+from minagi.dense import dense_swiglu
+from minagi.dispatch import PATHS, native_supported, resolve_dispatch
+from minagi.pool import PooledMLP
 
 SKEWS = ("uniform", "hot", "sink94", "collapse")
 

@@ -25,10 +25,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import load_config  # noqa: E402
-from minagi.frozen import dequant_summary, frozen_stacks  # noqa: E402
-from minagi.trainer import build_training, train_step  # noqa: E402
+from minagi.config import load_config
+from minagi.frozen import dequant_summary, frozen_stacks
+from minagi.trainer import build_training, train_step
 
 MODES = {
     "frozen": [],                                                    # the profile as it is

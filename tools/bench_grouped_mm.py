@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.dispatch import GROUPED_MM  # noqa: E402
+from minagi.dispatch import GROUPED_MM
 
 
 class _WeightGradNT(torch.autograd.Function):

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dispatch import dense_step, make_routing, timed  # noqa: E402
-from minagi import dispatch, swiglu  # noqa: E402
+from bench_dispatch import dense_step, make_routing, timed
+from minagi import dispatch, swiglu
 
 _compiled = None
 

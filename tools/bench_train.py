@@ -7,10 +7,8 @@
     python tools/bench_train.py --profiles h200 --compile off on --set train.parallel=fsdp   # FSDP2's cost, one GPU
 
 MFU = model FLOPs per character x characters per second / the bf16 matmul rate (an 8192^3 product
-timed in the same run). Model FLOPs per character (nanoGPT's convention): 6 x the parameters a
-character uses (attention, router, its top_k experts or the dense MLP, the head; not the embedding
-lookup; shared experts included) + 12 x rows x width x context for attention. Recomputation under row checkpointing is not
-counted: it is work the model does not need. Per profile and compile setting: char/s and MFU over
+timed in the same run): minagi/flops.py, the formula the trainer's progress line and history use
+(shared experts included). Per profile and compile setting: char/s and MFU over
 `--steps` steps after `--warmup` (random characters, or with --data batches of a corpus, so that the
 measured steps see the routing that training leaves), host syncs per step (counted by
 torch.cuda.set_sync_debug_mode over one step), recompiles over the measured steps, peak allocated,
@@ -37,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import load_config  # noqa: E402
-from minagi.data import DataError, batch_on, load_corpus  # noqa: E402
-from minagi.devices import host_syncs  # noqa: E402
-from minagi.optim import state_bytes  # noqa: E402
-from minagi.distributed import one_rank_group  # noqa: E402
-from minagi.trainer import build_training, train_step  # noqa: E402
+from minagi.config import load_config
+from minagi.data import DataError, batch_on, load_corpus
+from minagi.devices import host_syncs
+from minagi.distributed import one_rank_group
+from minagi.flops import flops_per_char, matmul_tflops, mfu
+from minagi.optim import state_bytes
+from minagi.trainer import build_training, train_step
 
 VOCAB = 96
 KINDS = (  # kernel name fragments -> what the time is spent on (first match wins)
@@ -57,18 +55,6 @@ KINDS = (  # kernel name fragments -> what the time is spent on (first match win
     ("reductions", ("reduce", "norm", "softmax", "logsumexp", "sum")),
     ("copies / casts", ("copy", "cat", "to_copy", "memcpy", "memset", "fill")),
 )
-
-
-def flops_per_char(cfg, vocab: int = VOCAB) -> float:
-    m, p = cfg.model, cfg.pool
-    per_row = 4 * m.d_model ** 2
-    if m.mlp == "dense":
-        per_row += 3 * m.d_model * cfg.dense_width
-    else:
-        # The router, the top_k routed experts and the always-on shared ones (one SwiGLU of their width).
-        per_row += m.d_model * p.n_experts + (p.top_k + p.shared_experts) * 3 * m.d_model * p.d_expert
-    params = m.n_rows * per_row + m.d_model * vocab
-    return 6 * params + 12 * m.n_rows * m.d_model * m.context
 
 
 def busiest_expert(stats) -> float | None:
@@ -96,22 +82,6 @@ def bytes_per_weight(training, device: torch.device) -> dict:
         how = "the optimizer's state tensors"
     return {"weights": weights / n, "optimizer_states": states / n, "persistent": (weights + states) / n,
             "with_gradient": (weights + states) / n + 4, "trainable_weights": n, "how": how}
-
-
-def matmul_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * 8192 ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def kernel_time_by_kind(fn, device: torch.device) -> tuple[list[tuple[str, float]], list[tuple[str, float, int]]]:
@@ -222,7 +192,7 @@ def measure(cfg, profile: str, compile_on: str, args, device: torch.device, rate
     if args.sync_trace:
         out["sync_sites"] = sites
     if rate:
-        out["mfu"] = flops_per_char(cfg, vocab) * out["chars_per_s"] / (rate * 1e12)
+        out["mfu"] = mfu(flops_per_char(cfg, vocab), out["chars_per_s"], rate)
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.trace:

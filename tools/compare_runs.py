@@ -20,7 +20,6 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plot_history import HistoryError, _num, read_run_history  # noqa: E402  (the history plots' own rules)
 
 COMPARE_PNG = "compare.png"

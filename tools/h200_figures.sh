@@ -7,6 +7,7 @@ set -uo pipefail
 out=${1:?usage: h200_figures.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the clone: the tools import its minagi, installed or not
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
 python3 -m pytest -q -m gpu 2>&1 | tail -3 | tee "$out/pytest_gpu.txt"

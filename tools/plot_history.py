@@ -19,9 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.config import upgrade_config_dict  # noqa: E402
-from minagi.runlog import read_history, read_run_info  # noqa: E402
+from minagi.config import upgrade_config_dict
+from minagi.runlog import read_history, read_run_info
 
 HISTORY_PNG = "history.png"
 FIG_INCHES = (16, 10)

@@ -24,6 +24,7 @@ stage() { [[ " $STAGES " == *" $1 "* ]]; }
 shopt -s nullglob   # a stage not run leaves no runs to evaluate
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the clone: the tools import its minagi, installed or not
 stamp() { python3 -c "import sys, time; t = time.time(); [print(f'{time.time() - t:8.2f} {l}', end='', flush=True) for l in sys.stdin]"; }
 common=(--set "train.out_dir=$RUNS" --set "data.cache_dir=$RUNS/cache")
 

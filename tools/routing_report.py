@@ -18,9 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from minagi.diagnostics import max_vio, mean_max_vio  # noqa: E402
-from minagi.runlog import read_history  # noqa: E402
+from minagi.diagnostics import max_vio, mean_max_vio
+from minagi.runlog import read_history
 
 BASELINE = "moe"
 COMPARISONS = [  # (file stem, title, recipes)

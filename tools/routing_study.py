@@ -53,9 +53,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from minagi.cli import OneLineParser, positive_int, seed  # noqa: E402
-from minagi.config import Config, ConfigError, PoolConfig, config_to_dict, load_config  # noqa: E402
+from minagi.cli import OneLineParser, positive_int, seed
+from minagi.config import Config, ConfigError, PoolConfig, config_to_dict, load_config
 
 MEASURED_RATIO = 1.48  # h200_gutenberg_dense over h200_gutenberg char/s, compiled, H200, 2026-12-02 (issue 24)
 STAGES = ("speed", "train", "report")
@@ -355,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = started + args.deadline if args.deadline else None
     failed = Jobs(plan, out, args.parallel, args.keep_checkpoints, deadline).run_all() if "train" in args.stages else []
     if "report" in args.stages:
-        sys.path.insert(0, str(REPO / "tools"))
-        import routing_report
+        import routing_report  # beside this script (its folder is sys.path[0])
         routing_report.main([str(out)])
     if failed:
         print(f"failed: {', '.join(failed)} (their logs: {out}/logs/)", file=sys.stderr)

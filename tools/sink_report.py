@@ -21,16 +21,15 @@ import struct
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
+import torch
 
-from minagi import devices  # noqa: E402
-from minagi.checkpoint import CheckpointError  # noqa: E402
-from minagi.cli import OneLineParser, non_negative_int, positive_int  # noqa: E402
-from minagi.config import ConfigError  # noqa: E402
-from minagi.data import DataError, heldout_batches, load_corpus  # noqa: E402
-from minagi.diagnostics import RoutingMeter, max_vio, step_counts  # noqa: E402
-from minagi.loading import load_trained  # noqa: E402
+from minagi import devices
+from minagi.checkpoint import CheckpointError
+from minagi.cli import OneLineParser, non_negative_int, positive_int
+from minagi.config import ConfigError
+from minagi.data import DataError, heldout_batches, load_corpus
+from minagi.diagnostics import RoutingMeter, max_vio, step_counts
+from minagi.loading import load_trained
 
 MATPLOTLIB_MISSING = "sink_report needs matplotlib for --heatmap: pip install matplotlib"
 USAGE_ERRORS = (CheckpointError, ConfigError, DataError, devices.DeviceError)

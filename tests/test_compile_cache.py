@@ -1,0 +1,90 @@
+"""minagi/compile_cache.py: torch's compile caches kept on disk per key, loaded before a compile and written
+after one, so the next process of the same shape finds its graphs compiled; and the fixed cost that
+sample.py says apart from the writing rate."""
+import pytest
+import torch
+
+from minagi import compile_cache
+from minagi.compile_cache import CompileCache, decode_key
+from minagi.config import load_config
+from minagi.model import build_model
+from minagi.sampling import Ready
+
+
+@pytest.fixture
+def fake_api(monkeypatch):
+    """torch.compiler's artifacts API, faked: what was "compiled" in this process, what was loaded."""
+    state = {"made": b"artifacts of this process", "loaded": []}
+
+    def load(data):
+        if data == b"torn":
+            raise RuntimeError("bad artifacts")
+        state["loaded"].append(data)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (state["made"], object()))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    return state
+
+
+def test_a_miss_is_written_after_the_compile_and_the_next_process_loads_it(tmp_path, fake_api):
+    first = CompileCache({"model": 1}, root=tmp_path)
+    assert first.load() == "miss" and first.save() and first.path.read_bytes() == fake_api["made"]
+    assert first.path.parent == tmp_path and first.path.suffix == ".bin"
+    second = CompileCache({"model": 1}, root=tmp_path)
+    assert second.path == first.path and second.load() == "hit" and fake_api["loaded"] == [fake_api["made"]]
+    fake_api["made"] = b"other"
+    assert not second.save() and second.path.read_bytes() == b"artifacts of this process"  # a hit is not rewritten
+    assert CompileCache({"model": 2}, root=tmp_path).path != first.path
+
+
+def test_a_torn_file_is_compiled_again_and_a_torch_without_the_api_compiles_as_before(tmp_path, fake_api,
+                                                                                       monkeypatch):
+    torn = CompileCache({"model": 1}, root=tmp_path)
+    torn.path.write_bytes(b"torn")
+    assert torn.load() == "unreadable" and torn.save() and torn.path.read_bytes() == fake_api["made"]
+    monkeypatch.delattr(torch.compiler, "save_cache_artifacts")
+    none = CompileCache({"model": 3}, root=tmp_path)
+    assert none.load() == "unavailable" and not none.save() and not none.path.exists()
+
+
+def test_the_decoders_key_names_what_its_compiled_graphs_depend_on():
+    cfg = load_config(None, ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "pool.n_experts=4"])
+    model = build_model(cfg.model, cfg.pool, 20, "cpu")
+    key = decode_key(model, 1, 64, True, "auto", torch.device("cpu"))
+    assert key == decode_key(model, 1, 64, True, "auto", torch.device("cpu"))
+    assert key["torch"] == torch.__version__ and key["model"]["d_model"] == 32 and key["vocab"] == 20
+    paths = {CompileCache(k).path for k in (key, decode_key(model, 2, 64, True, "auto", "cpu"),
+                                            decode_key(model, 1, 32, True, "auto", "cpu"),
+                                            decode_key(model, 1, 64, False, "auto", "cpu"))}
+    assert len(paths) == 4
+    assert CompileCache(key).path.parent == compile_cache.default_cache_dir() / "compile"
+
+
+@pytest.mark.slow
+def test_torchs_own_artifacts_make_a_compile_in_a_fresh_inductor_cache_a_hit(tmp_path, monkeypatch):
+    """What a second process sees: inductor's cache folder empty, ours holding the first compile's artifacts."""
+    from torch._dynamo.utils import counters
+
+    def compile_once() -> str:
+        cache = CompileCache({"what": "test", "shape": [8, 8]}, root=tmp_path / "ours")
+        status = cache.load()
+        f = torch.compile(lambda x: (x.sin() * 2).sum(-1), dynamic=False)
+        f(torch.randn(8, 8))
+        cache.save()
+        return status
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-1"))
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_once() == "miss" and counters["inductor"]["fxgraph_cache_miss"] == 1
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-2"))
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_once() == "hit"
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    torch._dynamo.reset()
+
+
+def test_the_fixed_cost_says_what_was_done_and_what_the_cache_did():
+    assert Ready(0.5, False, False).describe() == "set-up 0.50 s"
+    assert Ready(1.2, True, False).describe() == "capture 1.20 s"
+    assert Ready(2.0, True, True, "hit", "/c/x.bin").describe() == "compile and capture 2.00 s (compile cache hit: /c/x.bin)"
+    assert "miss, written for the next run" in Ready(17.0, True, True, "miss", "/c/x.bin").describe()
