@@ -464,18 +464,29 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
     named = _named_heldout(sources, heldout_files, label) if len(heldout_files) else []
     content = _content_key(sources, heldout_fraction, strip_gutenberg=strip_gutenberg, heldout_files=named)
 
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    cache = cache / "corpus"
-    # An entry made with the derived vocabulary is reused when the given vocab is that same one
-    # (the common resume case), so resuming does not encode the corpus a second time.
+    cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "corpus"
+    hit, meta_path = _cached(cache, content, vocab)
+    if hit is not None:
+        return _describe(hit, sources, content)
+    vocab, train_ids, heldout_ids, held_src = _encode_split(sources, named, heldout_fraction, vocab, label)
+    return _describe(_store(cache, meta_path, vocab, sources, held_src, train_ids, heldout_ids), sources, content)
+
+
+def _cached(cache: Path, content: str, vocab: Vocab | None) -> tuple["Corpus | None", Path]:
+    """(the cached entry or None, the .json path an entry of this content and vocabulary lives at).
+    An entry made with the derived vocabulary is reused when the given vocab is that same one (the
+    common resume case), so resuming does not encode the corpus a second time."""
     auto_meta = cache / f"{content}-auto.json"
     hit = _try_cache(auto_meta, vocab)
     meta_path = auto_meta if vocab is None else cache / f"{content}-{_vocab_key(vocab)}.json"
     if hit is None and vocab is not None:
         hit = _try_cache(meta_path, vocab)
-    if hit is not None:
-        return _describe(hit, sources, content)
+    return hit, meta_path
 
+
+def _encode_split(sources, named, heldout_fraction: float, vocab: Vocab | None, label: str):
+    """(vocab, train ids, held-out ids, held-out sources): the split made and both sides encoded;
+    the vocabulary derived from all the text where none is given."""
     train_src, held_src, cut = _split(sources, heldout_fraction) if not named else _split_named(sources, named)
     if vocab is None:
         vocab = Vocab.from_text(s.text for s in sources)
@@ -488,7 +499,12 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
         heldout_ids = _encode_files(vocab, [(str(s.path), s.text) for s in held_src])
     if len(train_ids) == 0:
         raise DataError(f"the train split of {label} is empty (heldout_fraction={heldout_fraction})")
+    return vocab, train_ids, heldout_ids, held_src
 
+
+def _store(cache: Path, meta_path: Path, vocab: Vocab, sources, held_src, train_ids, heldout_ids) -> "Corpus":
+    """The encoded corpus written to the cache (the .json last: its presence marks a complete entry)
+    and read back from it; kept in memory, with a warning, where the cache cannot be written."""
     meta = {
         "format": _CACHE_FORMAT, "vocab": vocab.chars, "sources": [s.name for s in sources],
         "heldout_sources": [s.name for s in held_src], "train_chars": int(len(train_ids)),
@@ -499,19 +515,17 @@ def load_corpus(path: str, heldout_fraction: float, cache_dir: str = "", vocab: 
         base = meta_path.with_suffix("")
         _cache_write(base.with_suffix(".train.npy"), lambda f: _save_npy(f, train_ids))
         _cache_write(base.with_suffix(".heldout.npy"), lambda f: _save_npy(f, heldout_ids))
-        # The .json goes last: its presence marks a complete entry.
         _cache_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=True).encode()))
         written = _try_cache(meta_path, vocab)
     except OSError as e:
         warnings.warn(f"cannot write the corpus cache in {str(cache)!r} ({(e.strerror or str(e)).lower()}); "
-                      "keeping the encoded corpus in memory", DataWarning, stacklevel=2)
+                      "keeping the encoded corpus in memory", DataWarning, stacklevel=3)
         written = None
     if written is not None:
         written.cache_hit = False
-        return _describe(written, sources, content)
-    return _describe(Corpus(vocab, train_ids, heldout_ids, meta["sources"], meta["train_chars"],
-                            meta["heldout_chars"], meta["heldout_sources"], cache_hit=False, cache_path=""),
-                     sources, content)
+        return written
+    return Corpus(vocab, train_ids, heldout_ids, meta["sources"], meta["train_chars"], meta["heldout_chars"],
+                  meta["heldout_sources"], cache_hit=False, cache_path="")
 
 
 # ----------------------------------------------------------------------------------------------

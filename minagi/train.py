@@ -181,9 +181,29 @@ def _launch(nproc: int, entry: str | None, argv: list[str]) -> int:
     return distributed.launch_local(nproc, entry, argv)
 
 
+_OOM_ADVICE = ("--plan shows where the memory goes: lower train.batch_size (raise train.accum_steps to keep the "
+               "step) or model.context, or turn on train.checkpoint_rows, or train.optimizer_states = \"bf16\", "
+               "or keep frozen experts on the CPU with experts.offload = \"cpu\"")
+
+
+def _preflight(cfg):
+    """The device, chosen once (under DDP, the rank's GPU of it), after what must come before anything
+    touches the GPU (the allocator reads its settings at the first allocation) and the refusals that
+    must come before the run folder is made (no Triton for train.compile, no TensorBoard package)."""
+    from minagi import devices, watch
+    devices.apply_alloc_conf(cfg.memory.alloc_conf)
+    device = devices.choose_device(cfg.train.device)
+    devices.check_compiler(cfg.train.compile, device)
+    watch.require(cfg.train.tensorboard)
+    note = compile_note(cfg, device)
+    if note:
+        warnings.warn(note, stacklevel=1)
+    return device
+
+
 def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
     import torch
-    from minagi import devices, distributed, watch
+    from minagi import devices, distributed
     from minagi.checkpoint import CheckpointError
     from minagi.data import DataError
     from minagi.runlog import RunFolderError
@@ -210,14 +230,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
             return 0
         if launching:
             return _launch(args.nproc_per_node, entry, argv)
-        # Before anything touches the GPU: the allocator reads its settings at the first allocation.
-        devices.apply_alloc_conf(cfg.memory.alloc_conf)
-        device = devices.choose_device(cfg.train.device)  # the one choice; under DDP, the rank's GPU of it
-        devices.check_compiler(cfg.train.compile, device)  # no Triton: refused before the run folder is made
-        watch.require(cfg.train.tensorboard)  # so is a TensorBoard mirror without the package
-        note = compile_note(cfg, device)
-        if note:
-            warnings.warn(note, stacklevel=1)
+        device = _preflight(cfg)
         with distributed.process_group(ranks, device) as device:
             joined = True
             devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)
@@ -234,11 +247,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         _report(e, ranks, joined)
         return 2
     except torch.OutOfMemoryError as e:
-        _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); --plan shows where "
-                             "the memory goes: lower train.batch_size (raise train.accum_steps to keep the step) "
-                             "or model.context, or turn on train.checkpoint_rows, or train.optimizer_states = "
-                             "\"bf16\", or keep frozen experts on the CPU with experts.offload = \"cpu\""),
-                ranks, joined)
+        _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); {_OOM_ADVICE}"), ranks, joined)
         return 4
     if result.interrupted:
         return 130
