@@ -10,10 +10,11 @@ __all__ = ["Schedule", "as_function", "lr_factor"]
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of train.lr for 0-based `step`: linear warmup to 1, then cosine down to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    """Multiplier of train.lr for 0-based `step`: linear warmup to 1, then cosine down to min_ratio.
+    Step -1 (the rate "before" a fresh run, asked at its start) is 0 in a warmup, else the peak."""
+    if 0 < warmup and step < warmup:
+        return max(0, step + 1) / warmup
+    progress = min(1.0, max(0, step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

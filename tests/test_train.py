@@ -118,6 +118,18 @@ def test_lr_warms_up_linearly_then_follows_cosine_to_its_floor():
     assert all(a >= b for a, b in zip(factors[1:], factors[2:]))
     assert factors[6] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
     assert factors[10] == factors[11] == pytest.approx(0.1)
+    # No warmup (train.warmup_steps = 0, or a profile's warmup fitted to a few steps): the peak from the
+    # first step, and the step "before" the first (asked at a run's start) neither divides by 0 nor
+    # climbs above the peak.
+    assert [lr_factor(s, total=4, warmup=0, min_ratio=0.1) for s in (-1, 0)] == [1.0, 1.0]
+    assert lr_factor(-1, total=10, warmup=2, min_ratio=0.1) == 0.0
+
+
+def test_a_run_without_warmup_trains(tmp_path, data_path):
+    # What `--set train.steps=2` makes of a profile's warmup (a tenth of the steps: 0); it once divided
+    # by zero at the start of the run.
+    run = run_tiny(tmp_path, data_path, "train.steps=2", "train.eval_every=2", "train.warmup_steps=0")
+    assert run.step == 2 and math.isfinite(run.heldout_loss)
 
 
 # ------------------------------------------------------------------------------ resume
