@@ -5,6 +5,8 @@ train.py --init); and load a state dict into a model with one-line errors naming
 (`load_weights`)."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import torch
@@ -74,7 +76,11 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     Every problem is a one-line CheckpointError naming the file. Checkpoints of format 1 (before the
     [pool] section) are read through `checkpoint.upgrade_payload`.
     """
-    ckpt = export.read_export(path) if export.is_export(path) else Checkpoint.load(path, map_location="cpu")
+    # Mapped, not read: the optimizer's moments (twice the model's bytes) are never read from the disk,
+    # only the weights copied into the model (POSIX: on Windows a mapped file could not be replaced by
+    # the training run's next save).
+    ckpt = (export.read_export(path) if export.is_export(path) else
+            Checkpoint.load(path, map_location="cpu", mmap=os.name == "posix"))
     cfg = ckpt.config
     model = build_model(cfg.model, cfg.pool, ckpt.vocab.size, device, dense_width=cfg.dense_width,
                         experts=cfg.experts, init_frozen=False)

@@ -247,3 +247,21 @@ def test_a_format_1_run_resumes_with_the_losses_its_own_code_gave_and_writes(tmp
     assert resumed.start_step == 3 and resumed.step == 6
     assert resumed.losses == pytest.approx(expected["losses"][3:], abs=1e-6)
     assert resumed.heldout_loss == pytest.approx(expected["heldout"], abs=1e-6)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="mapped only on POSIX (Windows could not replace a mapped file)")
+def test_a_model_to_write_with_maps_its_checkpoint_and_owns_its_weights(tmp_path, data_path, monkeypatch):
+    # sample.py and evaluate.py load through load_trained: the optimizer's moments (twice the model)
+    # are mapped, never read; the model's weights are its own copies, so the file may be replaced.
+    from minagi.loading import load_trained
+    from tiny import run_tiny
+    run = run_tiny(tmp_path, data_path)
+    maps = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: maps.append(k.get("mmap")) or real(*a, **k))
+    model, _, ckpt = load_trained(run.run_dir / "last.pt")
+    assert maps == [True]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (run.run_dir / "last.pt").unlink()
+    for key, value in model.state_dict().items():
+        assert value.data_ptr() != ckpt.model[key].data_ptr() and torch.equal(value, before[key])
