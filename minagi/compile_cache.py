@@ -10,20 +10,30 @@ its graphs and kernels done (dynamo still traces: seconds). `CompileCache` keeps
 shape, the streams, the window, the step's form, torch's version and the device); `decode_key`
 makes it for the decoder. Where torch has no such API the cache is "unavailable" and the compile
 runs as before. A file that does not load is set aside (recompiled and written again), never an error.
+
+Dynamo's tracing is what that leaves: seconds a process. `PrecompiledPieces` keeps the decoder's
+pieces whole where torch can (`torch.compile(f, fullgraph=True).aot_compile`: dynamo's bytecode and
+guards with inductor's code and kernels, one file a piece under `<key>/`), so a process of a shape
+seen before loads them and traces nothing; `CompileCache` serves the torch that cannot, under
+`dynamo_kept()` where torch has that (dynamo's output saved in the same artifacts: a hit traces
+nothing there either).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .atomic import atomic_write
 from .data import default_cache_dir
 
-__all__ = ["CompileCache", "decode_key"]
+__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "dynamo_kept"]
 
 
 def _api() -> tuple | None:
@@ -32,14 +42,21 @@ def _api() -> tuple | None:
     return (save, load) if save is not None and load is not None else None
 
 
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _cache_root(root: str | Path | None) -> Path:
+    return Path(root if root is not None else default_cache_dir() / "compile")
+
+
 class CompileCache:
     """torch's compile caches of one key, on disk. `status` after `load`: "hit" (loaded), "miss" (to
     compile; `save` writes it), "unreadable" (a file that failed to load: compiled and written again)
     or "unavailable" (this torch has no cache artifacts API)."""
 
     def __init__(self, key: dict, root: str | Path | None = None):
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-        self.key, self.path = key, Path(root if root is not None else default_cache_dir() / "compile") / f"{digest}.bin"
+        self.key, self.path = key, _cache_root(root) / f"{_digest(key)}.bin"
         self.status: str | None = None
 
     def load(self) -> str:
@@ -73,6 +90,115 @@ class CompileCache:
         return True
 
 
+@contextlib.contextmanager
+def dynamo_kept():
+    """Within: torch.compile keeps dynamo's traced bytecode and guards with the caches that
+    `CompileCache` saves and loads (`torch._dynamo.config.caching_precompile`, experimental), so a
+    hit loads them instead of tracing. Wrap the compile (the first calls), the load before it and the
+    save after it. Guards on object identities are dropped there: the key names everything a piece's
+    code depends on (`decode_key`), and dynamo's warning for each dropped guard is kept quiet.
+    Nothing where torch has no such setting."""
+    config = torch._dynamo.config
+    if not hasattr(config, "caching_precompile"):
+        yield
+        return
+    guards_log = logging.getLogger("torch._dynamo.guards")
+    level = guards_log.level
+    guards_log.setLevel(logging.ERROR)
+    try:
+        with config.patch(caching_precompile=True):
+            yield
+    finally:
+        guards_log.setLevel(level)
+
+
+def aot_available() -> bool:
+    """Whether this torch compiles a function ahead of time into a file (`aot_compile`, torch >= 2.10)."""
+    return (hasattr(torch.compiler, "load_compiled_function")
+            and hasattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile"))
+
+
+class PrecompiledPieces:
+    """Compiled pieces of one key, each made at its first call from that call's arguments (the shapes
+    every later call has; dynamic=False): its file loaded where it is there and takes the call, else
+    compiled ahead of time and written; where torch cannot (no `aot_compile`, or a piece it refuses),
+    the piece runs `fallback`'s (torch.compile's lazy compile) and `CompileCache` keeps its caches.
+
+    functions / fallback: name -> the eager function / its torch.compile. `calls()`: the callables to
+    run, in `functions`' order. `status` after every piece ran once: "hit" (all loaded), "miss"
+    (compiled and written), "fallback" (a piece on torch.compile; `why` says why), or None before.
+    """
+
+    def __init__(self, key: dict, functions: dict[str, Callable], fallback: dict[str, Callable],
+                 root: str | Path | None = None):
+        self.folder = _cache_root(root) / _digest({**key, "form": "aot pieces"})
+        self.functions, self.fallback = functions, fallback
+        self.made: dict[str, str] = {}  # name -> "loaded", "written" or "fallback"
+        self.why: str | None = None
+        self._calls = {name: _Piece(self, name) for name in functions}
+
+    def calls(self) -> tuple:
+        return tuple(self._calls.values())
+
+    def complete(self) -> bool:
+        """Every piece's file is there (then torch's own caches are not needed)."""
+        return all((self.folder / f"{name}.bin").is_file() for name in self.functions)
+
+    @property
+    def status(self) -> str | None:
+        if len(self.made) < len(self.functions):
+            return None
+        states = set(self.made.values())
+        return "fallback" if "fallback" in states else "hit" if states == {"loaded"} else "miss"
+
+    def make(self, name: str, args: tuple) -> tuple[Callable, object]:
+        """The callable of piece `name` made for `args` (the piece's first call), and that call's output."""
+        path = self.folder / f"{name}.bin"
+        if path.is_file():
+            try:
+                with open(path, "rb") as fh:
+                    loaded = torch.compiler.load_compiled_function(fh)
+                out = loaded(*args)  # its guards check the call: a file of other shapes fails here
+                self.made[name] = "loaded"
+                return loaded, out
+            except Exception:  # noqa: BLE001 - stale, torn or of another torch: compiled again below
+                pass
+        try:
+            compiled = torch.compile(self.functions[name], fullgraph=True, dynamic=False).aot_compile((args, {}))
+        except Exception as e:  # noqa: BLE001 - an experimental API: any refusal falls back to torch.compile
+            self.made[name] = "fallback"
+            self.why = f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            return self.fallback[name], self.fallback[name](*args)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
+        except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
+            pass
+        self.made[name] = "written"
+        return compiled, compiled(*args)
+
+
+class _Piece:
+    """One piece's callable: made by its `PrecompiledPieces` at the first call, then called directly."""
+
+    def __init__(self, owner: PrecompiledPieces, name: str):
+        self.owner, self.name, self.fn = owner, name, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            self.fn, out = self.owner.make(self.name, args)
+            return out
+        return self.fn(*args)
+
+
+def _source_digest() -> str:
+    """minagi's own code: a precompiled piece holds the traced bytecode of the code that made it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def decode_key(model, streams: int, window: int, products: bool, expert_path: str, device: torch.device) -> dict:
     """What the decoder's compiled pieces depend on (minagi/decode.py): the shapes they see and the
     code and device that compile them."""
@@ -89,4 +215,4 @@ def decode_key(model, streams: int, window: int, products: bool, expert_path: st
     return {"what": "decode step", "model": dataclasses.asdict(model.cfg), "pool": dataclasses.asdict(model.pool_cfg),
             "vocab": model.vocab_size, "streams": streams, "window": window, "products": products,
             "expert_path": expert_path, "torch": torch.__version__, "triton": triton_version, "device": device.type,
-            **gpu}
+            "code": _source_digest(), **gpu}

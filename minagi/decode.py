@@ -55,7 +55,8 @@ from .gumbel import gumbel_noise, pick, stream_keys
 from .mlp import device_compute_dtype
 from .model import CharLM
 
-__all__ = ["EXPERT_PATHS", "Decoder", "auto_grouped", "default_keep", "inference", "resolve_products"]
+__all__ = ["EXPERT_PATHS", "PIECES", "Decoder", "auto_grouped", "compiled_pieces", "default_keep", "inference",
+           "resolve_products"]
 
 EXPERT_PATHS = ("auto", "gathered", "grouped")
 
@@ -112,7 +113,9 @@ class Decoder:
     read_in_place: offloaded frozen stacks read each step's chosen experts from their pinned homes
     (minagi/offload.py), where False stages their rows.
     compiled: run the step's pieces (minagi/decode_step.py) through torch.compile: fewer, fused
-    kernels for a first-use compile (CUDA only, resident experts only).
+    kernels for a first-use compile (CUDA only, resident experts only). pieces: the compiled
+    pieces to run, in `PIECES`' order (sampling passes compile_cache.PrecompiledPieces' calls);
+    None: torch.compile's, one set a process.
     products: the step's matrix-vector products as products and sums (decode_step.py); None = where
     the step is compiled for at most _PRODUCTS_MAX_STREAMS streams. Eager it is slow (it
     materialises the products) but the same math, which the CPU tests use.
@@ -123,13 +126,13 @@ class Decoder:
     def __init__(self, model: CharLM, seeds: list[int], window: int, *, keep: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, graphs: bool = False, expert_path: str = "auto",
                  compiled: bool = False, products: bool | None = None, read_in_place: bool = False,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, pieces: tuple | None = None):
         device = model.embed.weight.device
         _check(device, window, keep, graphs, expert_path, compiled)
         self.expert_path, self.read_in_place = expert_path, read_in_place
         self.products = resolve_products(products, compiled, len(seeds))
         self.qkv_step, self.attend_step, self.tail_step, self.head_step = (
-            _compiled_pieces() if compiled else _EAGER_PIECES)
+            (pieces or compiled_pieces()) if compiled else _EAGER_PIECES)
         self.model, self.device, self.window = model, device, window
         self.keep = default_keep(window) if keep is None else keep
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -423,11 +426,13 @@ def _check(device: torch.device, window: int, keep: int | None, graphs: bool, ex
         raise ValueError(f"keep must be 1..{window} (the window); got {keep}")
 
 
-_EAGER_PIECES = (decode_step.qkv_step, rowmath.attend_products, decode_step.tail_step, decode_step.head_step)
+PIECES = {"qkv": decode_step.qkv_step, "attend": rowmath.attend_products, "tail": decode_step.tail_step,
+          "head": decode_step.head_step}  # the step's pieces a compiled step compiles, by name
+_EAGER_PIECES = tuple(PIECES.values())
 _COMPILED: tuple | None = None
 
 
-def _compiled_pieces() -> tuple:
+def compiled_pieces() -> tuple:
     """qkv_step, attend_products, tail_step and head_step through torch.compile, made once per process
     (dynamo's cache then serves every decoder of the same shapes)."""
     global _COMPILED

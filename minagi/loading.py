@@ -83,7 +83,7 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
             Checkpoint.load(path, map_location="cpu", mmap=os.name == "posix"))
     cfg = ckpt.config
     model = build_model(cfg.model, cfg.pool, ckpt.vocab.size, device, dense_width=cfg.dense_width,
-                        experts=cfg.experts, init_frozen=False)
+                        experts=cfg.experts, init_frozen=False, weights_loaded=True)
     load_weights(model, ckpt.model, path)
     return model.eval(), ckpt.vocab, ckpt
 

@@ -10,6 +10,7 @@ Shape legend: B batch, T positions, D model width, H heads, Dh head width, V voc
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, NamedTuple
 
@@ -47,7 +48,8 @@ class Attention(nn.Module):
         # RoPE tables for the context's positions, made once: computed in forward, a compiled step
         # fused the cos/sin into every rotated element (37 of a 156 ms h200 step, docs/benchmarks.md §10).
         # Not persistent: checkpoints stay as they were.
-        cos_Td, sin_Td = rowmath.rope_tables(torch.arange(cfg.context), cfg.head_dim, cfg.rope_base)
+        # On the CPU always (also when a loaded model is made on its device): the same bits everywhere.
+        cos_Td, sin_Td = rowmath.rope_tables(torch.arange(cfg.context, device="cpu"), cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos_Td, persistent=False)
         self.register_buffer("rope_sin", sin_Td, persistent=False)
 
@@ -202,7 +204,7 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
                 init_frozen: bool = True, checkpoint_rows: bool = False,
                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: bool = False,
                 log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None,
-                exchange=None) -> CharLM:
+                exchange=None, weights_loaded: bool = False) -> CharLM:
     """Build on `device`, resolving dispatch `auto` once for it and the compute dtype `dtype` (None:
     `mlp.device_compute_dtype`'s; a run's is its train.precision).
 
@@ -213,13 +215,17 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
     `compiled_regions`: the rows' attention halves (and dense MLPs) through torch.compile, dispatch eager.
     `exchange`: expert parallelism (minagi/exchange.py): each pool holds this rank's experts only.
+    `weights_loaded`: every weight is loaded next (writing, evaluation): the modules are made on
+    `device` directly, their random init done there (not the seeded CPU init a training run starts
+    from), instead of a CPU init of every weight and a copy (docs/sampling.md, the fixed cost).
     """
     device = torch.device(device)
     path = resolve_dispatch(pool.dispatch, device, dtype or device_compute_dtype(device), compiled)
     stacks = stack_services(experts, device, checkpoint_rows=checkpoint_rows, init=init_frozen, log=log,
                             local=exchange.local_experts if exchange is not None else None)
-    model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
-                   count_reducer=count_reducer, compiled_regions=compiled_regions, exchange=exchange).to(device)
+    with device if weights_loaded else contextlib.nullcontext():
+        model = CharLM(cfg, pool, vocab_size, path, dense_width, stacks=stacks, checkpoint_rows=checkpoint_rows,
+                       count_reducer=count_reducer, compiled_regions=compiled_regions, exchange=exchange).to(device)
     if stacks.stager is not None and log is not None:
         homed = sum(s.stored_bytes() for row in stacks.stager.rows for s in row)
         log(f"offload: {len(stacks.stager.rows)} rows of frozen stacks homed in "

@@ -26,6 +26,7 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -35,8 +36,8 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .compile_cache import CompileCache, decode_key
-from .decode import EXPERT_PATHS, Decoder, default_keep, inference, resolve_products
+from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key, dynamo_kept
+from .decode import EXPERT_PATHS, PIECES, Decoder, compiled_pieces, default_keep, inference, resolve_products
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
 from .model import CharLM
@@ -188,7 +189,8 @@ class Ready:
     def describe(self) -> str:
         """e.g. `compile and capture 1.52 s (compile cache hit: ~/.cache/minagi/compile/….bin)`."""
         what = " and ".join(w for w, on in (("compile", self.compiled), ("capture", self.graphs)) if on) or "set-up"
-        cache = {"hit": "hit", "miss": "miss, written for the next run", "unreadable": "unreadable, written again",
+        cache = {"precompiled hit": "hit, the pieces loaded whole", "precompiled miss": "miss, the pieces written whole",
+                 "hit": "hit", "miss": "miss, written for the next run", "unreadable": "unreadable, written again",
                  "unsaved": "miss, not written (nothing to save, or the folder is not writable)",
                  "unavailable": "not in this torch"}.get(self.cache or "")
         return f"{what} {self.seconds:.2f} s" + (f" (compile cache {cache}: {self.cache_path})" if cache else "")
@@ -220,26 +222,44 @@ def _write(model: CharLM, vocab: Vocab, ids: list[list[int]], n_chars: int, samp
 
 def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tuple, graphs: bool,
             read: str | None, step: tuple, slide_sizes: set[int]) -> tuple[Decoder, Ready]:
-    """The decoder, its graphs captured and step compiled (a compiled step's caches loaded from disk
-    first, and written there after a compile), and what that took."""
+    """The decoder, its graphs captured and step compiled (minagi/compile_cache.py: the pieces loaded
+    whole where they were compiled before, else torch's compile caches loaded first and written after
+    a compile, dynamo's output with them where torch keeps it), and what that took."""
     (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
     start = time.perf_counter()
     device = model.embed.weight.device
-    cache = None
+    cache = pieces = None
+    kept = contextlib.nullcontext()
     if compiled:
-        cache = CompileCache(decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)),
-                                        expert_path, device))
-        cache.load()
-    decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
-                      graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
-                      read_in_place=read == "experts")
-    decoder.prepare_slides(slide_sizes)
-    status = None
-    if cache is not None:
-        status = cache.status if cache.save() or cache.status in ("hit", "unavailable") else "unsaved"
+        key = decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)), expert_path,
+                         device)
+        if aot_available():
+            pieces = PrecompiledPieces(key, PIECES, dict(zip(PIECES, compiled_pieces())))
+        else:
+            kept = dynamo_kept()
+        if pieces is None or not pieces.complete():  # torch's caches serve what is compiled the old way
+            cache = CompileCache(key)
+    with kept:
+        if cache is not None:
+            cache.load()
+        decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+                          graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                          read_in_place=read == "experts", pieces=pieces and pieces.calls())
+        decoder.prepare_slides(slide_sizes)
+        status, where = _cache_status(cache, pieces)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the set-up's time, not the writing's
-    return decoder, Ready(time.perf_counter() - start, graphs, compiled, status, cache and str(cache.path))
+    return decoder, Ready(time.perf_counter() - start, graphs, compiled, status, where)
+
+
+def _cache_status(cache: CompileCache | None, pieces: PrecompiledPieces | None) -> tuple[str | None, str | None]:
+    """What the compile caches did (`Ready.cache`) and where they are, once the pieces have run."""
+    if pieces is not None and pieces.status in ("hit", "miss"):
+        return ("precompiled hit" if pieces.status == "hit" else "precompiled miss"), str(pieces.folder)
+    if cache is None:
+        return None, None
+    status = cache.status if cache.save() or cache.status in ("hit", "unavailable") else "unsaved"
+    return status, str(cache.path)
 
 
 class _Slides:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minagi import compile_cache
-from minagi.compile_cache import CompileCache, decode_key
+from minagi.compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key
 from minagi.config import load_config
 from minagi.model import build_model
 from minagi.sampling import Ready
@@ -88,3 +88,95 @@ def test_the_fixed_cost_says_what_was_done_and_what_the_cache_did():
     assert Ready(1.2, True, False).describe() == "capture 1.20 s"
     assert Ready(2.0, True, True, "hit", "/c/x.bin").describe() == "compile and capture 2.00 s (compile cache hit: /c/x.bin)"
     assert "miss, written for the next run" in Ready(17.0, True, True, "miss", "/c/x.bin").describe()
+
+
+def _pieces(root, functions):
+    return PrecompiledPieces({"what": "test"}, functions, {n: torch.compile(f, dynamic=False) for n, f in functions.items()},
+                             root=root)
+
+
+needs_aot = pytest.mark.skipif(not aot_available(), reason="this torch has no aot_compile")
+
+
+@needs_aot
+@pytest.mark.slow
+def test_precompiled_pieces_are_written_once_then_loaded_whole_and_compute_the_same(tmp_path):
+    """A second set of the same key loads each piece's file (no trace) and agrees with the eager function;
+    a torn file is compiled and written again."""
+    functions = {"double_sin": lambda x: (x.sin() * 2).sum(-1), "norm": lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * w}
+    x, w = torch.randn(4, 8), torch.randn(8)
+    first = _pieces(tmp_path, functions)
+    assert first.status is None and not first.complete()
+    double_sin, norm = first.calls()
+    torch.testing.assert_close(double_sin(x), functions["double_sin"](x))
+    torch.testing.assert_close(norm(x, w), functions["norm"](x, w))
+    assert first.status == "miss" and first.complete() and first.made == {"double_sin": "written", "norm": "written"}
+    second = _pieces(tmp_path, functions)
+    double_sin, norm = second.calls()
+    for _ in range(2):  # the first call loads, the next runs what was loaded
+        torch.testing.assert_close(double_sin(x), functions["double_sin"](x))
+        torch.testing.assert_close(norm(x, w * 3), functions["norm"](x, w * 3))
+    assert second.status == "hit"
+    (tmp_path / second.folder.name / "norm.bin").write_bytes(b"torn")
+    third = _pieces(tmp_path, functions)
+    for call, name in zip(third.calls(), functions):
+        torch.testing.assert_close(call(x) if name == "double_sin" else call(x, w), functions[name](*((x,) if name == "double_sin" else (x, w))))
+    assert third.made == {"double_sin": "loaded", "norm": "written"} and third.status == "miss"
+
+
+def test_a_piece_torch_cannot_precompile_runs_torch_compile_and_says_why(tmp_path, monkeypatch):
+    """Where aot_compile refuses (an older torch, a piece it cannot trace whole) the piece runs the
+    fallback (torch.compile's; here an eager stand-in) and nothing is written."""
+    class Refusing:
+        def __init__(self, f, **kw):
+            self.f = f
+
+        def aot_compile(self, example):
+            raise RuntimeError("graph break in piece\nmore detail")
+    monkeypatch.setattr(torch, "compile", Refusing)
+    eager = {"twice": lambda x: x * 2}
+    pieces = PrecompiledPieces({"what": "test"}, eager, {"twice": lambda x: x + x}, root=tmp_path)
+    (twice,) = pieces.calls()
+    assert torch.equal(twice(torch.arange(3)), torch.tensor([0, 2, 4])) and torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0))
+    assert pieces.status == "fallback" and pieces.why == "twice: RuntimeError: graph break in piece"
+    assert not pieces.complete() and not pieces.folder.exists()
+
+
+def test_the_decoders_key_names_minagis_own_code():
+    """A precompiled piece holds traced bytecode: a changed minagi must not load an old one."""
+    assert len(compile_cache._source_digest()) == 16
+    cfg = load_config(None, ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "pool.n_experts=4"])
+    key = decode_key(build_model(cfg.model, cfg.pool, 20, "cpu"), 1, 64, True, "auto", "cpu")
+    assert key["code"] == compile_cache._source_digest()
+
+
+def test_precompiled_statuses_are_said():
+    assert "hit, the pieces loaded whole: /c/k" in Ready(1.0, True, True, "precompiled hit", "/c/k").describe()
+    assert "miss, the pieces written whole" in Ready(9.0, True, True, "precompiled miss", "/c/k").describe()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch keeps no dynamo output")
+def test_under_dynamo_kept_a_hit_loads_dynamos_output_and_traces_nothing(tmp_path, monkeypatch):
+    """What `sampling` does where torch has no aot_compile (the H200's 2.11): the cache's artifacts carry
+    dynamo's bytecode and guards too, so the second compile of a key is not traced."""
+    from torch._dynamo.utils import counters
+
+    def eight_sins(x):
+        return (x.sin() * 8).sum(-1)
+
+    def compile_once(inductor: str) -> tuple[str, int]:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / inductor))
+        torch._dynamo.reset()
+        counters.clear()
+        with compile_cache.dynamo_kept():
+            cache = CompileCache({"what": "kept", "shape": [4, 4]}, root=tmp_path / "ours")
+            status = cache.load()
+            out = torch.compile(eight_sins, dynamic=False)(torch.ones(4, 4))
+            cache.save()
+        torch.testing.assert_close(out, eight_sins(torch.ones(4, 4)))
+        return status, counters["stats"]["unique_graphs"]
+    assert compile_once("inductor-1") == ("miss", 1)
+    assert compile_once("inductor-2") == ("hit", 0)  # traced nothing
+    assert not torch._dynamo.config.caching_precompile  # the setting is torch's again outside
+    torch._dynamo.reset()

@@ -8,6 +8,7 @@ well beyond rounding. Each kind of row is covered: pooled experts built for ever
 dense twin, and frozen NF4 experts.
 """
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -510,6 +511,24 @@ def test_the_compiled_step_is_as_close_to_fp32_as_the_eager_step_and_compiles_ea
     assert max(errors["compiled"]) <= 1.25 * max(errors["eager"]), errors
     with pytest.raises(sampling.SamplingError, match="resident trainable experts"):
         fast(make_model("nf4", "cuda"), ["the "], 3, compiled=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_second_compiled_writer_loads_the_pieces_the_first_wrote_and_writes_the_same(tmp_path, monkeypatch):
+    from minagi import compile_cache
+    if not compile_cache.aot_available():
+        pytest.skip("this torch has no aot_compile")
+    monkeypatch.setattr(compile_cache, "default_cache_dir", lambda: tmp_path)
+    model = make_model("native", "cuda")
+    texts, readies = [], []
+    for _ in range(2):
+        torch._dynamo.reset()  # as a new process: nothing compiled in memory
+        texts.append(fast(model, ["the ", "a"], 20, temperature=0.0, compiled=True, on_ready=readies.append))
+    assert [r.cache for r in readies] == ["precompiled miss", "precompiled hit"], [r.describe() for r in readies]
+    assert texts[0] == texts[1]
+    assert sorted(p.name for p in Path(readies[1].cache_path).iterdir()) == ["attend.bin", "head.bin", "qkv.bin",
+                                                                             "tail.bin"]
 
 
 @pytest.mark.parametrize("top_k", [1, 3])
