@@ -14,17 +14,16 @@ runs as before. A file that does not load is set aside (recompiled and written a
 Dynamo's tracing is what that leaves: seconds a process. `PrecompiledPieces` keeps the decoder's
 pieces whole where torch can (`torch.compile(f, fullgraph=True).aot_compile`: dynamo's bytecode and
 guards with inductor's code and kernels, one file a piece under `<key>/`), so a process of a shape
-seen before loads them and traces nothing; `CompileCache` serves the torch that cannot, under
-`dynamo_kept()` where torch has that (dynamo's output saved in the same artifacts: a hit traces
-nothing there either).
+seen before loads them and traces nothing; `CompileCache` serves the torch that cannot. (Not
+used: torch's `caching_precompile` setting, which keeps dynamo's output in the same artifacts. On
+the H200's torch 2.11 its saved guards fail to unpickle in the next process, a TypeError inside
+torch.compile, measured 2026-12-03.)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +32,7 @@ import torch
 from .atomic import atomic_write
 from .data import default_cache_dir
 
-__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "dynamo_kept"]
+__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key"]
 
 
 def _api() -> tuple | None:
@@ -88,28 +87,6 @@ class CompileCache:
         except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
             return False
         return True
-
-
-@contextlib.contextmanager
-def dynamo_kept():
-    """Within: torch.compile keeps dynamo's traced bytecode and guards with the caches that
-    `CompileCache` saves and loads (`torch._dynamo.config.caching_precompile`, experimental), so a
-    hit loads them instead of tracing. Wrap the compile (the first calls), the load before it and the
-    save after it. Guards on object identities are dropped there: the key names everything a piece's
-    code depends on (`decode_key`), and dynamo's warning for each dropped guard is kept quiet.
-    Nothing where torch has no such setting."""
-    config = torch._dynamo.config
-    if not hasattr(config, "caching_precompile"):
-        yield
-        return
-    guards_log = logging.getLogger("torch._dynamo.guards")
-    level = guards_log.level
-    guards_log.setLevel(logging.ERROR)
-    try:
-        with config.patch(caching_precompile=True):
-            yield
-    finally:
-        guards_log.setLevel(level)
 
 
 def aot_available() -> bool:

@@ -52,11 +52,11 @@ def dynamic_map_signed() -> Tensor:
     times 10^(i-6), with both signs; then 0 and 1. 256 fp32 values, sorted."""
     values = [0.0, 1.0]
     for i in range(7):
-        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        edges = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32, device="cpu")  # the same bits anywhere
         means = (edges[:-1] + edges[1:]) / 2.0
         values += (10 ** (i - 6) * means).tolist() + (-(10 ** (i - 6)) * means).tolist()
     assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
+    return torch.tensor(sorted(values), dtype=torch.float32, device="cpu")
 
 
 _TABLES: dict[torch.device, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
@@ -74,7 +74,7 @@ def _tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 @torch.compiler.disable
 def _make_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    nf4 = torch.tensor(NF4_TABLE, dtype=torch.float32)
+    nf4 = torch.tensor(NF4_TABLE, dtype=torch.float32, device="cpu")
     dyn = dynamic_map_signed()
     out = (nf4, (nf4[:-1] + nf4[1:]) / 2, dyn, (dyn[:-1] + dyn[1:]) / 2)  # midpoints in fp32
     return tuple(t.to(device) for t in out)

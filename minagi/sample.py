@@ -77,8 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
                         "per character, but the first run of a model shape and stream count compiles first "
-                        "(15-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
-                        "that shape load it instead (docs/sampling.md)")
+                        "(12-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
+                        "that shape load it instead (4-5 s there with torch 2.11; docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "

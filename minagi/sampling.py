@@ -26,7 +26,6 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key, dynamo_kept
+from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key
 from .decode import EXPERT_PATHS, PIECES, Decoder, compiled_pieces, default_keep, inference, resolve_products
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
@@ -224,29 +223,24 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
             read: str | None, step: tuple, slide_sizes: set[int]) -> tuple[Decoder, Ready]:
     """The decoder, its graphs captured and step compiled (minagi/compile_cache.py: the pieces loaded
     whole where they were compiled before, else torch's compile caches loaded first and written after
-    a compile, dynamo's output with them where torch keeps it), and what that took."""
+    a compile), and what that took."""
     (temperature, top_k, top_p), (expert_path, compiled, products) = sampler, step
     start = time.perf_counter()
     device = model.embed.weight.device
     cache = pieces = None
-    kept = contextlib.nullcontext()
     if compiled:
         key = decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)), expert_path,
                          device)
         if aot_available():
             pieces = PrecompiledPieces(key, PIECES, dict(zip(PIECES, compiled_pieces())))
-        else:
-            kept = dynamo_kept()
         if pieces is None or not pieces.complete():  # torch's caches serve what is compiled the old way
             cache = CompileCache(key)
-    with kept:
-        if cache is not None:
             cache.load()
-        decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
-                          graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
-                          read_in_place=read == "experts", pieces=pieces and pieces.calls())
-        decoder.prepare_slides(slide_sizes)
-        status, where = _cache_status(cache, pieces)
+    decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+                      graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                      read_in_place=read == "experts", pieces=pieces and pieces.calls())
+    decoder.prepare_slides(slide_sizes)
+    status, where = _cache_status(cache, pieces)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the set-up's time, not the writing's
     return decoder, Ready(time.perf_counter() - start, graphs, compiled, status, where)

@@ -154,29 +154,3 @@ def test_precompiled_statuses_are_said():
     assert "hit, the pieces loaded whole: /c/k" in Ready(1.0, True, True, "precompiled hit", "/c/k").describe()
     assert "miss, the pieces written whole" in Ready(9.0, True, True, "precompiled miss", "/c/k").describe()
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(not hasattr(torch._dynamo.config, "caching_precompile"), reason="this torch keeps no dynamo output")
-def test_under_dynamo_kept_a_hit_loads_dynamos_output_and_traces_nothing(tmp_path, monkeypatch):
-    """What `sampling` does where torch has no aot_compile (the H200's 2.11): the cache's artifacts carry
-    dynamo's bytecode and guards too, so the second compile of a key is not traced."""
-    from torch._dynamo.utils import counters
-
-    def eight_sins(x):
-        return (x.sin() * 8).sum(-1)
-
-    def compile_once(inductor: str) -> tuple[str, int]:
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / inductor))
-        torch._dynamo.reset()
-        counters.clear()
-        with compile_cache.dynamo_kept():
-            cache = CompileCache({"what": "kept", "shape": [4, 4]}, root=tmp_path / "ours")
-            status = cache.load()
-            out = torch.compile(eight_sins, dynamic=False)(torch.ones(4, 4))
-            cache.save()
-        torch.testing.assert_close(out, eight_sins(torch.ones(4, 4)))
-        return status, counters["stats"]["unique_graphs"]
-    assert compile_once("inductor-1") == ("miss", 1)
-    assert compile_once("inductor-2") == ("hit", 0)  # traced nothing
-    assert not torch._dynamo.config.caching_precompile  # the setting is torch's again outside
-    torch._dynamo.reset()

@@ -287,3 +287,27 @@ def test_on_the_gpu_an_offloaded_model_holds_its_stacks_in_pinned_host_memory_no
     resident, resident_bytes = allocated_by(RESIDENT)
     # Resident: every stack on the device. Offloaded: the two staging slots of one row each, not the homes.
     assert resident_bytes - on_device == pytest.approx(homed - 2 * row, rel=0.05)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("experts", [ExpertsConfig(), RESIDENT, OFFLOADED], ids=["trainable", "nf4", "nf4-offloaded"])
+def test_a_model_built_on_its_device_to_be_loaded_takes_the_weights_as_one_built_on_the_cpu(device, experts):
+    """`weights_loaded` (writing, evaluation) makes the modules on the device; loaded, the model is the
+    one a CPU build and a copy give: every tensor, the RoPE tables (not saved) included, and offloaded
+    homes still in (pinned) CPU memory."""
+    from minagi.loading import load_weights
+    source = build_model(CFG, POOL, 11, "cpu", experts=experts)
+    state = source.state_dict()
+    plain = build_model(CFG, POOL, 11, device, experts=experts, init_frozen=False)
+    direct = build_model(CFG, POOL, 11, device, experts=experts, init_frozen=False, weights_loaded=True)
+    for model in (plain, direct):
+        load_weights(model, state, "test")
+    for (name, a), (_, b) in zip(plain.state_dict(keep_vars=True).items(), direct.state_dict(keep_vars=True).items()):
+        assert a.device == b.device and torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_buffers(), direct.named_buffers()):
+        assert a.device == b.device and a.is_pinned() == b.is_pinned() and torch.equal(a, b), name
+    assert direct.rows[0].attn.rope_cos.device.type == device
+    ids = torch.randint(0, 11, (2, 8), device=device)
+    with torch.no_grad():
+        assert torch.equal(plain.eval()(ids).logits, direct.eval()(ids).logits)
