@@ -22,6 +22,7 @@ torch.compile, measured 2026-12-03.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -89,8 +90,10 @@ class CompileCache:
         return True
 
 
+@functools.cache
 def aot_available() -> bool:
-    """Whether this torch compiles a function ahead of time into a file (`aot_compile`, torch >= 2.10)."""
+    """Whether this torch compiles a function ahead of time into a file (`aot_compile` with
+    `load_compiled_function`: the CPU's 2.13 has both, the H200's 2.11 the second only)."""
     return (hasattr(torch.compiler, "load_compiled_function")
             and hasattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile"))
 
@@ -99,11 +102,13 @@ class PrecompiledPieces:
     """Compiled pieces of one key, each made at its first call from that call's arguments (the shapes
     every later call has; dynamic=False): its file loaded where it is there and takes the call, else
     compiled ahead of time and written; where torch cannot (no `aot_compile`, or a piece it refuses),
-    the piece runs `fallback`'s (torch.compile's lazy compile) and `CompileCache` keeps its caches.
+    the piece runs `fallback`'s (torch.compile's lazy compile) and `CompileCache` keeps its caches;
+    a refusal is written down (`<name>.refused`, holding why), so later processes go straight to
+    the fallback instead of compiling twice.
 
     functions / fallback: name -> the eager function / its torch.compile. `calls()`: the callables to
     run, in `functions`' order. `status` after every piece ran once: "hit" (all loaded), "miss"
-    (compiled and written), "fallback" (a piece on torch.compile; `why` says why), or None before.
+    (compiled and written), "fallback" (a piece on torch.compile), or None before.
     """
 
     def __init__(self, key: dict, functions: dict[str, Callable], fallback: dict[str, Callable],
@@ -111,7 +116,6 @@ class PrecompiledPieces:
         self.folder = _cache_root(root) / _digest({**key, "form": "aot pieces"})
         self.functions, self.fallback = functions, fallback
         self.made: dict[str, str] = {}  # name -> "loaded", "written" or "fallback"
-        self.why: str | None = None
         self._calls = {name: _Piece(self, name) for name in functions}
 
     def calls(self) -> tuple:
@@ -130,7 +134,10 @@ class PrecompiledPieces:
 
     def make(self, name: str, args: tuple) -> tuple[Callable, object]:
         """The callable of piece `name` made for `args` (the piece's first call), and that call's output."""
-        path = self.folder / f"{name}.bin"
+        path, refused = self.folder / f"{name}.bin", self.folder / f"{name}.refused"
+        if refused.is_file():  # aot_compile refused this piece before: not tried again
+            self.made[name] = "fallback"
+            return self.fallback[name], self.fallback[name](*args)
         if path.is_file():
             try:
                 with open(path, "rb") as fh:
@@ -143,16 +150,20 @@ class PrecompiledPieces:
         try:
             compiled = torch.compile(self.functions[name], fullgraph=True, dynamic=False).aot_compile((args, {}))
         except Exception as e:  # noqa: BLE001 - an experimental API: any refusal falls back to torch.compile
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}\n"
+            self._write(refused, lambda tmp: tmp.write_text(why))
             self.made[name] = "fallback"
-            self.why = f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             return self.fallback[name], self.fallback[name](*args)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
-        except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
-            pass
+        self._write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
         self.made[name] = "written"
         return compiled, compiled(*args)
+
+    def _write(self, path: Path, write: Callable[[Path], object]) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, write)
+        except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
+            pass
 
 
 class _Piece:
@@ -168,6 +179,7 @@ class _Piece:
         return self.fn(*args)
 
 
+@functools.cache
 def _source_digest() -> str:
     """minagi's own code: a precompiled piece holds the traced bytecode of the code that made it."""
     digest = hashlib.sha256()

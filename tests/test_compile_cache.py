@@ -124,22 +124,30 @@ def test_precompiled_pieces_are_written_once_then_loaded_whole_and_compute_the_s
     assert third.made == {"double_sin": "loaded", "norm": "written"} and third.status == "miss"
 
 
-def test_a_piece_torch_cannot_precompile_runs_torch_compile_and_says_why(tmp_path, monkeypatch):
-    """Where aot_compile refuses (an older torch, a piece it cannot trace whole) the piece runs the
-    fallback (torch.compile's; here an eager stand-in) and nothing is written."""
+def test_a_piece_torch_cannot_precompile_runs_torch_compile_says_why_and_is_not_tried_again(tmp_path, monkeypatch):
+    """Where aot_compile refuses (a piece it cannot trace whole) the piece runs the fallback
+    (torch.compile's; here an eager stand-in), no compiled file is written, and the refusal is: the
+    next process goes to the fallback without compiling the piece twice."""
+    tried = []
+
     class Refusing:
         def __init__(self, f, **kw):
             self.f = f
 
         def aot_compile(self, example):
+            tried.append(example)
             raise RuntimeError("graph break in piece\nmore detail")
     monkeypatch.setattr(torch, "compile", Refusing)
     eager = {"twice": lambda x: x * 2}
-    pieces = PrecompiledPieces({"what": "test"}, eager, {"twice": lambda x: x + x}, root=tmp_path)
-    (twice,) = pieces.calls()
-    assert torch.equal(twice(torch.arange(3)), torch.tensor([0, 2, 4])) and torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0))
-    assert pieces.status == "fallback" and pieces.why == "twice: RuntimeError: graph break in piece"
-    assert not pieces.complete() and not pieces.folder.exists()
+    for run in range(2):
+        pieces = PrecompiledPieces({"what": "test"}, eager, {"twice": lambda x: x + x}, root=tmp_path)
+        (twice,) = pieces.calls()
+        assert torch.equal(twice(torch.arange(3)), torch.tensor([0, 2, 4]))
+        assert torch.equal(twice(torch.ones(2)), torch.full((2,), 2.0))
+        assert pieces.status == "fallback" and pieces.made == {"twice": "fallback"}
+        assert not pieces.complete() and not (pieces.folder / "twice.bin").exists()
+        assert (pieces.folder / "twice.refused").read_text() == "RuntimeError: graph break in piece\n"
+    assert len(tried) == 1  # the second process read the refusal
 
 
 def test_the_decoders_key_names_minagis_own_code():

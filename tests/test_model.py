@@ -113,3 +113,19 @@ def test_expert_dropout_scales_the_kept_gates_by_one_over_one_minus_p():
     torch.testing.assert_close(y, want)
     unscaled, _ = pool.experts_forward(x, routing.expert_ids_NK, routing.gates_NK * mask_NK)
     assert not torch.allclose(y, unscaled)  # the kept experts' share is restored, as inverted dropout does
+
+
+def test_a_model_to_be_loaded_is_initialised_on_its_device_not_on_the_cpu(monkeypatch):
+    """`weights_loaded` (writing, evaluation): no weight is made and initialised on the CPU first.
+    The meta device shows it on a machine without a GPU: every init call sees meta tensors."""
+    seen = []
+    normal = torch.nn.init.normal_
+
+    def recording(tensor, *args, **kwargs):
+        seen.append(tensor.device.type)
+        return normal(tensor, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.init, "normal_", recording)
+    for loaded, where in ((False, {"cpu"}), (True, {"meta"})):
+        seen.clear()
+        model = build_model(CFG, POOL, vocab_size=11, device="meta", weights_loaded=loaded)
+        assert set(seen) == where and model.embed.weight.is_meta
