@@ -18,13 +18,19 @@ seen before loads them and traces nothing; `CompileCache` serves the torch that 
 used: torch's `caching_precompile` setting, which keeps dynamo's output in the same artifacts. On
 the H200's torch 2.11 its saved guards fail to unpickle in the next process, a TypeError inside
 torch.compile, measured 2026-12-03.)
+
+What no cache removes is importing the compiler (dynamo, inductor, Triton: seconds of Python, once
+a process); `warm_compiler` starts those imports on a thread of their own, to run while the
+checkpoint loads (its copies let go of the GIL).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -33,13 +39,33 @@ import torch
 from .atomic import atomic_write
 from .data import default_cache_dir
 
-__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key"]
+__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "warm_compiler"]
+
+# What the first compile of a process imports, heaviest last (the modules a warm-up imports).
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx", "triton")
 
 
 def _api() -> tuple | None:
     save = getattr(torch.compiler, "save_cache_artifacts", None)
     load = getattr(torch.compiler, "load_cache_artifacts", None)
     return (save, load) if save is not None and load is not None else None
+
+
+def warm_compiler(modules: tuple[str, ...] = _COMPILER_MODULES) -> threading.Thread:
+    """Import torch's compiler on a daemon thread now, so that a compile later in this process finds
+    it imported (Python's import locks make a concurrent import of the same module wait for this
+    one, never run it twice). A module that is missing or fails is skipped: the compile that needs it
+    then says why. The thread, for a caller that wants to wait (`join`)."""
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (a head start only; the compile itself reports the problem)
+                pass
+
+    thread = threading.Thread(target=run, name="minagi-warm-compiler", daemon=True)
+    thread.start()
+    return thread
 
 
 def _digest(key: dict) -> str:

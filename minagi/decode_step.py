@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import rowmath
@@ -96,10 +97,14 @@ def route_step(x_ND: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: in
     """(expert ids [N, K], gates [N, K] fp32): `router.Router`'s choice, in fp32 as there, from
     tensors (the router's own rule, `router.route`, without its replay memo). `score`: the pool's
     `router_score`."""
-    with torch.autocast(x_ND.device.type, enabled=False):
-        logits_NE = rowmath.linear(x_ND.float(), router_ED.float(), products)
-        ids_NK, gates_NK, _ = route(logits_NE, score, bias_E, top_k, top_k_fn=top_k_by_rounds if products else None)
-        return ids_NK, gates_NK
+    if products:  # fp32 products and a sum, which autocast leaves in fp32: no autocast region in the
+        # traced piece (one there makes AOTAutograd's cache bypass the piece: compiled again every process)
+        logits_NE = (x_ND.float()[..., None, :] * router_ED.float()).sum(-1)
+    else:
+        with torch.autocast(x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), router_ED.float())
+    ids_NK, gates_NK, _ = route(logits_NE, score, bias_E, top_k, top_k_fn=top_k_by_rounds if products else None)
+    return ids_NK, gates_NK
 
 
 def auto_grouped(pool, n_streams: int) -> bool:

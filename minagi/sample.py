@@ -77,8 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
                         "per character, but the first run of a model shape and stream count compiles first "
-                        "(12-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
-                        "that shape load it instead (4-5 s there with torch 2.11; docs/sampling.md)")
+                        "(10-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
+                        "that shape load it instead (ready in 3.2-4 s there with torch 2.11; docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
@@ -169,6 +169,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
+        if args.compile and device.type == "cuda":
+            from minagi.compile_cache import warm_compiler
+            warm_compiler()  # the compiler's imports run while the checkpoint loads
         loading = time.perf_counter()
         model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
         clock = _Clock(time.perf_counter() - loading, err)

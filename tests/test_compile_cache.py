@@ -162,3 +162,19 @@ def test_precompiled_statuses_are_said():
     assert "hit, the pieces loaded whole: /c/k" in Ready(1.0, True, True, "precompiled hit", "/c/k").describe()
     assert "miss, the pieces written whole" in Ready(9.0, True, True, "precompiled miss", "/c/k").describe()
 
+
+
+def test_the_compiler_is_imported_on_a_thread_of_its_own_and_a_missing_module_is_skipped(monkeypatch):
+    import sys
+    import threading
+    for name in ("colorsys", "minagi_no_such_module"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importer = []
+    real_import = compile_cache.importlib.import_module
+    monkeypatch.setattr(compile_cache.importlib, "import_module",
+                        lambda name: importer.append(threading.current_thread().name) or real_import(name))
+    thread = compile_cache.warm_compiler(("minagi_no_such_module", "colorsys"))
+    thread.join(timeout=60)
+    assert not thread.is_alive() and thread.daemon
+    assert "colorsys" in sys.modules and "minagi_no_such_module" not in sys.modules  # tried, skipped, went on
+    assert importer == ["minagi-warm-compiler"] * 2

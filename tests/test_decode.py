@@ -544,6 +544,29 @@ def test_the_steps_routing_is_the_routers_bit_for_bit(top_k, bias):
     assert torch.equal(ids, want.expert_ids_NK) and torch.equal(gates, want.gates_NK)
 
 
+@pytest.mark.parametrize("products", [False, True])
+def test_the_steps_routing_is_fp32_under_autocast_and_its_products_trace_no_autocast_region(products):
+    # Writing runs under bf16 autocast; the router stays fp32 there. The products form gets there
+    # without an autocast region, which would make AOTAutograd's cache bypass the compiled tail piece.
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    want = decode_step.route_step(x, w, None, 3, products)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = decode_step.route_step(x, w, None, 3, products)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(decode_step.route_step, backend=record, fullgraph=True)(x, w, None, 3, products)
+    targets = {getattr(node.target, "__name__", str(node.target)) for gm in graphs for node in gm.graph.nodes}
+    assert ("_enter_autocast" in targets) is not products
+
+
 @pytest.mark.parametrize("filled, window, keep", [([4, 4, 2], 8, 5), ([4, 8], 8, 5), ([1], 16, 14), ([3, 1, 2], 3, 1),
                                                   ([5, 7, 2, 9], 9, 9)])
 def test_the_slides_looked_ahead_are_those_a_long_run_meets(filled, window, keep):
