@@ -19,9 +19,9 @@ used: torch's `caching_precompile` setting, which keeps dynamo's output in the s
 the H200's torch 2.11 its saved guards fail to unpickle in the next process, a TypeError inside
 torch.compile, measured 2026-12-03.)
 
-What no cache removes is importing the compiler (dynamo, inductor, Triton: seconds of Python, once
-a process); `warm_compiler` starts those imports on a thread of their own, to run while the
-checkpoint loads (its copies let go of the GIL).
+What no cache removes is importing the compiler (inductor and Triton: about a second of Python,
+once a process); `warm_compiler` starts those imports on a thread of their own, to run while the
+checkpoint loads, and the caller joins it before compiling.
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ from .data import default_cache_dir
 
 __all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "warm_compiler"]
 
-# What the first compile of a process imports, heaviest last (the modules a warm-up imports).
-_COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx", "triton")
+# What the first compile of a process imports beyond dynamo (which `warm_compiler` imports first, on
+# the caller's thread: minagi's own modules already have, through `torch.compiler.disable`).
+_COMPILER_MODULES = ("torch._inductor.compile_fx", "triton")
 
 
 def _api() -> tuple | None:
@@ -52,15 +53,19 @@ def _api() -> tuple | None:
 
 
 def warm_compiler(modules: tuple[str, ...] = _COMPILER_MODULES) -> threading.Thread:
-    """Import torch's compiler on a daemon thread now, so that a compile later in this process finds
-    it imported (Python's import locks make a concurrent import of the same module wait for this
-    one, never run it twice). A module that is missing or fails is skipped: the compile that needs it
-    then says why. The thread, for a caller that wants to wait (`join`)."""
+    """Start importing torch's compiler on a daemon thread, so that a compile later in this process
+    finds it imported; the thread is returned, and the caller must `join` it before it touches the
+    compiler itself (two threads importing modules that import each other can leave one of them with
+    a half-made module). Dynamo is imported here, on the caller's thread. A module that is not
+    installed (Triton on a machine without it) is skipped; any other failure is raised on the thread
+    (Python prints it), and the compile that needs the module meets it again."""
+    import torch._dynamo  # noqa: F401  (the shared root of the rest: never half made by the thread)
+
     def run() -> None:
         for name in modules:
             try:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001  (a head start only; the compile itself reports the problem)
+            except ModuleNotFoundError:
                 pass
 
     thread = threading.Thread(target=run, name="minagi-warm-compiler", daemon=True)

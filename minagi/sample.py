@@ -10,8 +10,9 @@
 
 stdout: the prompt (unless --no-echo), then exactly --chars characters. With several streams, each
 stream once all are written: a header line `--- stream I (seed S) ---`, its prompt and text, a newline.
-stderr: one line about the model before; "ready in T s: load L s, capture C s" (compile and capture
-with --compile, and what the compile cache did) once writing is set up; and "wrote N chars in S s
+stderr: one line about the model before; "ready in T s: load L s, capture C s" (with --compile "load
+and compiler imports L s" -- the compiler is imported while the checkpoint loads -- then compile and
+capture, and what the compile cache did) once writing is set up; and "wrote N chars in S s
 (X char/s)" after (writing only, from the prefill: not loading, capturing or compiling; with several
 streams "wrote B streams x N chars ... (X char/s in all)").
 Exit codes: 0 done (also when a reader such as `head` closes the pipe), 2 bad argument / checkpoint /
@@ -159,7 +160,6 @@ def _main(args: argparse.Namespace) -> int:
     from minagi.checkpoint import CheckpointError
     from minagi.data import VocabError
     from minagi.devices import DeviceError, choose_device
-    from minagi.loading import load_trained
     from minagi.sampling import SamplingError, resolve_graphs, resolve_offload_read, write
     try:
         if args.products != "auto" and not args.compile:
@@ -169,12 +169,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.graphs == "on" and device.type != "cuda":
             raise UsageError(f"--graphs on needs a CUDA device (CUDA graphs); this run is on {device.type}: "
                              f"use --graphs auto or off")
-        if args.compile and device.type == "cuda":
-            from minagi.compile_cache import warm_compiler
-            warm_compiler()  # the compiler's imports run while the checkpoint loads
-        loading = time.perf_counter()
-        model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
-        clock = _Clock(time.perf_counter() - loading, err)
+        model, vocab, ckpt, clock = _load(path, device, args.compile and device.type == "cuda", err)
         step = "?" if ckpt.step is None else ckpt.step
         del ckpt  # the optimizer state in it is twice the model's size; writing needs none of it
         prompts = choose_prompts(args, vocab)
@@ -204,16 +199,31 @@ def _main(args: argparse.Namespace) -> int:
     return _write_many(chars, prompts, args, out, err, clock)
 
 
+def _load(path, device, warm: bool, err):
+    """(model, vocabulary, checkpoint, the clock started with the load's time). `warm`: the compiler's
+    imports run on a thread meanwhile (`compile_cache.warm_compiler`), finished before this returns:
+    this thread then touches the compiler alone (two threads importing the same modules in a cycle
+    could leave one of them half made), and the wait counts in the time said."""
+    from minagi.compile_cache import warm_compiler
+    from minagi.loading import load_trained
+    warming = warm_compiler() if warm else None
+    loading = time.perf_counter()
+    model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
+    if warming is not None:
+        warming.join()
+    return model, vocab, ckpt, _Clock(time.perf_counter() - loading, err, "load and compiler imports" if warm else "load")
+
+
 class _Clock:
     """The fixed cost, said on its own stderr line once writing is ready (`sampling.Ready`): loading the
     checkpoint, then capturing the step's graphs and compiling it; the writing rate counts from there."""
 
-    def __init__(self, load_s: float, err):
-        self.load_s, self.err, self.ready_at = load_s, err, None
+    def __init__(self, load_s: float, err, what: str = "load"):
+        self.load_s, self.err, self.what, self.ready_at = load_s, err, what, None
 
     def ready(self, ready) -> None:
         self.ready_at = time.perf_counter()
-        print(f"ready in {self.load_s + ready.seconds:.2f} s: load {self.load_s:.2f} s, {ready.describe()}",
+        print(f"ready in {self.load_s + ready.seconds:.2f} s: {self.what} {self.load_s:.2f} s, {ready.describe()}",
               file=self.err, flush=True)
 
     def start(self) -> float:

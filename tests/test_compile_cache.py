@@ -163,7 +163,6 @@ def test_precompiled_statuses_are_said():
     assert "miss, the pieces written whole" in Ready(9.0, True, True, "precompiled miss", "/c/k").describe()
 
 
-
 def test_the_compiler_is_imported_on_a_thread_of_its_own_and_a_missing_module_is_skipped(monkeypatch):
     import sys
     import threading
@@ -178,3 +177,4 @@ def test_the_compiler_is_imported_on_a_thread_of_its_own_and_a_missing_module_is
     assert not thread.is_alive() and thread.daemon
     assert "colorsys" in sys.modules and "minagi_no_such_module" not in sys.modules  # tried, skipped, went on
     assert importer == ["minagi-warm-compiler"] * 2
+

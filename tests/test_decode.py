@@ -563,8 +563,9 @@ def test_the_steps_routing_is_fp32_under_autocast_and_its_products_trace_no_auto
     torch._dynamo.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch.compile(decode_step.route_step, backend=record, fullgraph=True)(x, w, None, 3, products)
+    torch._dynamo.reset()
     targets = {getattr(node.target, "__name__", str(node.target)) for gm in graphs for node in gm.graph.nodes}
-    assert ("_enter_autocast" in targets) is not products
+    assert graphs and ("_enter_autocast" in targets) is not products
 
 
 @pytest.mark.parametrize("filled, window, keep", [([4, 4, 2], 8, 5), ([4, 8], 8, 5), ([1], 16, 14), ([3, 1, 2], 3, 1),

@@ -448,3 +448,25 @@ def test_sample_py_writes_a_model_with_shared_experts_and_sigmoid_scores(tmp_pat
     assert sample_py.main([str(run.run_dir / "best.pt"), "--chars", "5", "--no-echo"]) == 0
     assert len(capsys.readouterr().out) == 5
 
+
+
+def test_sample_py_waits_for_the_compilers_imports_before_it_goes_on_and_says_it_timed_them(run_dir, monkeypatch):
+    # sample.py --compile on CUDA loads with the compiler's imports running beside it; it joins them
+    # before it compiles (never two threads importing the compiler), and the wait is in the time said.
+    import threading
+    import time
+
+    from minagi import compile_cache
+    done = threading.Event()
+
+    def slow_imports():
+        thread = threading.Thread(target=lambda: (time.sleep(0.3), done.set()), daemon=True)
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(compile_cache, "warm_compiler", slow_imports)
+    *_, clock = sample_py._load(run_dir / "last.pt", torch.device("cpu"), True, None)
+    assert done.is_set() and clock.load_s >= 0.3 and clock.what == "load and compiler imports"
+    done.clear()
+    *_, clock = sample_py._load(run_dir / "last.pt", torch.device("cpu"), False, None)
+    assert not done.is_set() and clock.what == "load"
