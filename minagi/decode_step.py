@@ -97,9 +97,8 @@ def route_step(x_ND: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: in
     """(expert ids [N, K], gates [N, K] fp32): `router.Router`'s choice, in fp32 as there, from
     tensors (the router's own rule, `router.route`, without its replay memo). `score`: the pool's
     `router_score`."""
-    if products:  # fp32 products and a sum, which autocast leaves in fp32: no autocast region in the
-        # traced piece (one there makes AOTAutograd's cache bypass the piece: compiled again every process)
-        logits_NE = (x_ND.float()[..., None, :] * router_ED.float()).sum(-1)
+    if products:  # fp32 without an autocast region (rowmath.product_sums)
+        logits_NE = rowmath.product_sums(x_ND.float(), router_ED.float())
     else:
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), router_ED.float())

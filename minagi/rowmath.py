@@ -35,7 +35,7 @@ from torch import Tensor
 from .mlp import compute_dtype
 
 __all__ = ["apply_rope", "attend_products", "attention_inputs", "attention_residual", "causal_attention", "head",
-           "linear", "mlp_input", "mlp_residual", "rolled_tables", "rope_rolled", "rope_tables", "window_attention"]
+           "linear", "mlp_input", "mlp_residual", "product_sums", "rolled_tables", "rope_rolled", "rope_tables", "window_attention"]
 
 
 # ------------------------------------------------------------------------------ RoPE
@@ -74,7 +74,13 @@ def linear(x_BI: Tensor, w_OI: Tensor, products: bool = False) -> Tensor:
     if not products:
         return F.linear(x_BI, w_OI)
     dtype = compute_dtype(x_BI)  # both operands rounded to it, as autocast rounds F.linear's
-    return (x_BI.to(dtype)[..., None, :].float() * w_OI.to(dtype).float()).sum(-1).to(dtype)
+    return product_sums(x_BI.to(dtype), w_OI.to(dtype)).to(dtype)
+
+
+def product_sums(x_BI: Tensor, w_OI: Tensor) -> Tensor:
+    """x w^T [..., O] as fp32 products summed: mul and sum, which autocast leaves in fp32, so it needs
+    no autocast region (one inside a compiled graph keeps AOTAutograd's cache from serving it)."""
+    return (x_BI[..., None, :].float() * w_OI.float()).sum(-1)
 
 
 def attention_inputs(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_qkv: Tensor, n_heads: int,
