@@ -19,17 +19,24 @@ used: torch's `caching_precompile` setting, which keeps dynamo's output in the s
 the H200's torch 2.11 its saved guards fail to unpickle in the next process, a TypeError inside
 torch.compile, measured 2026-12-03.)
 
-What no cache removes is importing the compiler (inductor and Triton: about a second of Python,
-once a process); `warm_compiler` starts those imports on a thread of their own, to run while the
-checkpoint loads, and the caller joins it before compiling.
+What no cache removes is the compiler's first use in a process: importing inductor and Triton
+(about a second of Python), the modules a compile imports on its way (inductor's passes, kernel
+templates, sympy: `record_compile_imports` keeps their names per torch version, from a compile seen
+before), and hashing torch's and Triton's sources for the cache keys (~0.5 s on the H200's host,
+measured 2026-12-03). `warm_compiler` does all three on a thread of its own while the checkpoint
+loads (the hashing reads files and leaves the GIL to the load), and the caller joins it before
+compiling.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Callable
@@ -39,11 +46,14 @@ import torch
 from .atomic import atomic_write
 from .data import default_cache_dir
 
-__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "warm_compiler"]
+__all__ = ["CompileCache", "PrecompiledPieces", "aot_available", "decode_key", "record_compile_imports",
+           "recorded_imports", "warm_compiler"]
 
 # What the first compile of a process imports beyond dynamo (which `warm_compiler` imports first, on
-# the caller's thread: minagi's own modules already have, through `torch.compiler.disable`).
+# the caller's thread), before the modules recorded from a compile seen before.
 _COMPILER_MODULES = ("torch._inductor.compile_fx", "triton")
+# The packages whose modules a compile imports that are worth recording (not its generated kernels).
+_RECORDED_PACKAGES = frozenset({"torch", "triton", "sympy", "mpmath", "jinja2", "markupsafe", "networkx"})
 
 
 def _api() -> tuple | None:
@@ -52,25 +62,83 @@ def _api() -> tuple | None:
     return (save, load) if save is not None and load is not None else None
 
 
-def warm_compiler(modules: tuple[str, ...] = _COMPILER_MODULES) -> threading.Thread:
-    """Start importing torch's compiler on a daemon thread, so that a compile later in this process
-    finds it imported; the thread is returned, and the caller must `join` it before it touches the
-    compiler itself (two threads importing modules that import each other can leave one of them with
-    a half-made module). Dynamo is imported here, on the caller's thread. A module that is not
-    installed (Triton on a machine without it) is skipped; any other failure is raised on the thread
-    (Python prints it), and the compile that needs the module meets it again."""
+def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | None = None) -> threading.Thread:
+    """Start warming torch's compiler on a daemon thread, so that a compile later in this process
+    finds it ready: `modules` imported (default: inductor and Triton, then the modules recorded from
+    a compile of this torch before, `record_compile_imports`), then torch's source keys hashed. The
+    thread is returned, and the caller must `join` it before it touches the compiler itself (two
+    threads importing modules that import each other can leave one of them with a half-made module).
+    Dynamo is imported here, on the caller's thread. A module that is not installed (Triton on a
+    machine without it) is skipped; any other failure is raised on the thread (Python prints it), and
+    the compile that needs the module meets it again."""
     import torch._dynamo  # noqa: F401  (the shared root of the rest: never half made by the thread)
 
+    first, then = (_COMPILER_MODULES, recorded_imports(root)) if modules is None else (modules, ())
+
     def run() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError:
-                pass
+        _import_all(first)
+        if modules is None:
+            _hash_sources()
+        _import_all(then, recorded=True)
 
     thread = threading.Thread(target=run, name="minagi-warm-compiler", daemon=True)
     thread.start()
     return thread
+
+
+def _import_all(names: tuple[str, ...], recorded: bool = False) -> None:
+    """Import each; one not installed is skipped, and so is any failure of a recorded one (a record of
+    another install: the compile imports what it needs itself)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001
+            if not recorded:
+                raise
+
+
+def _hash_sources() -> None:
+    """torch's and Triton's source hashes, which inductor's first cache key computes (cached for the
+    process; ~0.5 s of file reads and hashing). torch's own names, so a torch without them is skipped."""
+    for module, name in (("torch._inductor.codecache", "torch_key"), ("torch._inductor.runtime.triton_compat", "triton_key")):
+        try:
+            key = getattr(importlib.import_module(module), name, None)
+            if key is not None and (name != "triton_key" or importlib.util.find_spec("triton") is not None):
+                key()
+        except Exception:  # noqa: BLE001 - a warm-up only: the compile computes what this could not
+            pass
+
+
+def _imports_file(root: str | Path | None) -> Path:
+    return _cache_root(root) / f"imports-torch-{torch.__version__}.json"
+
+
+def recorded_imports(root: str | Path | None = None) -> tuple[str, ...]:
+    """The modules a compile of this torch imported before (`record_compile_imports`); () if none."""
+    try:
+        names = json.loads(_imports_file(root).read_text())
+    except (OSError, ValueError):
+        return ()
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, list) else ()
+
+
+def record_compile_imports(before: set[str], root: str | Path | None = None) -> bool:
+    """Add the modules imported since `before` (a `set(sys.modules)` taken before a compile) to this
+    torch's record, for the next process's `warm_compiler`; True if the record grew."""
+    known = recorded_imports(root)
+    new = sorted(n for n in set(sys.modules) - before - set(known) - set(_COMPILER_MODULES)
+                 if n.partition(".")[0] in _RECORDED_PACKAGES)
+    if not new:
+        return False
+    path = _imports_file(root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(list(known) + new)))
+    except OSError:  # a read-only cache folder: the next process imports them as the compile goes
+        return False
+    return True
 
 
 def _digest(key: dict) -> str:
@@ -103,6 +171,16 @@ class CompileCache:
             except Exception:  # noqa: BLE001 - a stale or torn file: compile as if it were not there
                 self.status = "unreadable"
         return self.status
+
+    def compiling(self) -> contextlib.AbstractContextManager:
+        """What the compile after `load` runs under: on a hit, inductor's compile threads set to one.
+        Everything is in the loaded caches, so the pool of compile workers inductor starts at its
+        first compile (a process a CPU core, each importing torch) only competes for the host and
+        holds the process ~2 s at exit (H200 host, measured 2026-12-03)."""
+        if self.status != "hit":
+            return contextlib.nullcontext()
+        import torch._inductor.config
+        return torch._inductor.config.patch(compile_threads=1)
 
     def save(self) -> bool:
         """Write this process's compile artifacts (after the compile) unless they were loaded; True if written."""

@@ -68,11 +68,13 @@ def _tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     functools.cache: torch.compile traces through a cache wrapper and would rebuild them each call."""
     tables = _TABLES.get(device)
     if tables is None:
-        tables = _TABLES[device] = _make_tables(device)
+        # Made outside any graph being traced. The disable is applied here, not as a decorator:
+        # `torch.compiler.disable` imports dynamo (~1 s), which a process that never compiles skips.
+        make = torch.compiler.disable(_make_tables) if torch.compiler.is_compiling() else _make_tables
+        tables = _TABLES[device] = make(device)
     return tables
 
 
-@torch.compiler.disable
 def _make_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     nf4 = torch.tensor(NF4_TABLE, dtype=torch.float32, device="cpu")
     dyn = dynamic_map_signed()

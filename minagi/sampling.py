@@ -26,7 +26,9 @@ Shape legend: T positions fed in one call, B streams, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -35,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .data import Vocab, VocabError
-from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key
+from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key, record_compile_imports
 from .decode import EXPERT_PATHS, PIECES, Decoder, compiled_pieces, default_keep, inference, resolve_products
 from .gumbel import gumbel_noise, pick, stream_keys
 from .experts import ExpertStack
@@ -228,6 +230,7 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
     start = time.perf_counter()
     device = model.embed.weight.device
     cache = pieces = None
+    before = set(sys.modules)  # what the compile imports is recorded for the next process's warm-up
     if compiled:
         key = decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)), expert_path,
                          device)
@@ -236,10 +239,13 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
         if pieces is None or not pieces.complete():  # torch's caches serve what is compiled the old way
             cache = CompileCache(key)
             cache.load()
-    decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
-                      graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
-                      read_in_place=read == "experts", pieces=pieces and pieces.calls())
-    decoder.prepare_slides(slide_sizes)
+    with cache.compiling() if cache is not None else contextlib.nullcontext():
+        decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
+                          graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
+                          read_in_place=read == "experts", pieces=pieces and pieces.calls())
+        decoder.prepare_slides(slide_sizes)
+    if compiled:
+        record_compile_imports(before)
     status, where = _cache_status(cache, pieces)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the set-up's time, not the writing's

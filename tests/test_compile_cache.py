@@ -178,3 +178,87 @@ def test_the_compiler_is_imported_on_a_thread_of_its_own_and_a_missing_module_is
     assert "colorsys" in sys.modules and "minagi_no_such_module" not in sys.modules  # tried, skipped, went on
     assert importer == ["minagi-warm-compiler"] * 2
 
+
+
+def test_by_default_the_thread_imports_the_compiler_hashes_the_sources_then_imports_the_record(tmp_path, monkeypatch):
+    import sys
+    (tmp_path / "minagi_fails_on_import.py").write_text("raise ImportError('not on this install')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("colorsys", "minagi_fails_on_import"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    compile_cache._imports_file(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    compile_cache._imports_file(tmp_path).write_text('["minagi_fails_on_import", "minagi_no_such_module", "colorsys"]')
+    done = []
+    real_import = compile_cache.importlib.import_module
+    monkeypatch.setattr(compile_cache.importlib, "import_module", lambda name: done.append(name) or real_import(name))
+    monkeypatch.setattr(compile_cache, "_COMPILER_MODULES", ("json",))
+    monkeypatch.setattr(compile_cache, "_hash_sources", lambda: done.append("hash"))
+    thread = compile_cache.warm_compiler(root=tmp_path)
+    thread.join(timeout=60)
+    assert done == ["json", "hash", "minagi_fails_on_import", "minagi_no_such_module", "colorsys"]
+    assert "colorsys" in sys.modules  # a failing or missing recorded module is skipped, and the rest go on
+
+
+def test_the_modules_a_compile_imported_are_recorded_once_for_this_torch(tmp_path):
+    import sys
+    assert compile_cache.recorded_imports(tmp_path) == ()
+    before = set(sys.modules) - {"torch.nn.functional", "json", "torch._inductor.compile_fx"}
+    assert compile_cache.record_compile_imports(before, tmp_path)
+    # Only torch's own (and its compiler's dependencies'), not what the compiler modules list already has.
+    assert compile_cache.recorded_imports(tmp_path) == ("torch.nn.functional",)
+    assert not compile_cache.record_compile_imports(before, tmp_path)  # nothing new: not rewritten
+    assert compile_cache.record_compile_imports(before - {"torch.nn.init"}, tmp_path)
+    assert compile_cache.recorded_imports(tmp_path) == ("torch.nn.functional", "torch.nn.init")
+    assert compile_cache._imports_file(tmp_path).name == f"imports-torch-{torch.__version__}.json"
+    compile_cache._imports_file(tmp_path).write_text("{not json")
+    assert compile_cache.recorded_imports(tmp_path) == ()  # a torn record is no record
+
+
+def test_source_hashing_calls_torchs_keys_and_a_failing_one_is_no_error(monkeypatch):
+    import torch._inductor.codecache as codecache
+    called = []
+    monkeypatch.setattr(codecache, "torch_key", lambda: called.append("torch") or b"k")
+    compile_cache._hash_sources()
+    assert called == ["torch"]
+    monkeypatch.setattr(codecache, "torch_key", lambda: 1 / 0)
+    compile_cache._hash_sources()  # a warm-up only
+
+
+def test_a_hit_compiles_with_one_compile_thread_and_a_miss_with_torchs_setting(tmp_path):
+    import torch._inductor.config as inductor_config
+    cache = CompileCache({"k": 1}, tmp_path)
+    threads = inductor_config.compile_threads
+    for status, inside in (("hit", 1), ("miss", threads), ("unavailable", threads)):
+        cache.status = status
+        with cache.compiling():
+            assert inductor_config.compile_threads == inside
+        assert inductor_config.compile_threads == threads
+
+
+@pytest.mark.parametrize("status, threads_inside", [("miss", None), ("hit", 1)])
+def test_the_writers_set_up_compiles_under_the_cache_and_records_what_the_compile_imported(tmp_path, monkeypatch,
+                                                                                      status, threads_inside):
+    import sys
+    import torch._inductor.config as inductor_config
+    from minagi import sampling
+    seen = {}
+
+    class CompilingDecoder:  # stands in for the CUDA-only compiled decoder: imports as a compile would
+        def __init__(self, *args, **kwargs):
+            import torch.utils.bundled_inputs  # noqa: F401
+            seen["threads"] = inductor_config.compile_threads
+
+        def prepare_slides(self, sizes):
+            pass
+
+    monkeypatch.setattr(compile_cache, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(sampling, "aot_available", lambda: False)
+    monkeypatch.setattr(sampling, "Decoder", CompilingDecoder)
+    monkeypatch.delitem(sys.modules, "torch.utils.bundled_inputs", raising=False)
+    monkeypatch.setattr(CompileCache, "load", lambda self: setattr(self, "status", status) or status)
+    monkeypatch.setattr(CompileCache, "save", lambda self: False)
+    cfg = load_config(None, ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "pool.n_experts=4"])
+    model = build_model(cfg.model, cfg.pool, 20, "cpu")
+    sampling._set_up(model, [0], 64, 32, (0.0, 0, 1.0), False, None, ("auto", True, True), set())
+    assert seen["threads"] == (threads_inside or inductor_config.compile_threads)
+    assert "torch.utils.bundled_inputs" in compile_cache.recorded_imports(tmp_path / "compile")

@@ -426,3 +426,27 @@ def test_dynamic_map_and_double_quant_agree_with_bitsandbytes():
     assert (theirs - dequantize_absmax(q)).abs().max().item() <= step
     torch.testing.assert_close(bnb_f.dequantize_4bit(packed, state), dequantize_nf4(q, torch.float32),
                                rtol=0, atol=step)
+
+
+def test_importing_the_model_and_the_writer_does_not_import_the_compiler():
+    """dynamo costs ~1 s to import; a process that never compiles (sample.py, evaluate.py) skips it.
+    minagi's one `torch.compiler.disable` is applied when a trace reaches it, not at import."""
+    code = "import sys, minagi.model, minagi.sample, minagi.loading; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_tables_made_inside_a_compiled_trace_are_made_outside_its_graph(monkeypatch):
+    """The first dequant under torch.compile makes the tables eagerly (a graph break), and the
+    compiled dequant's bits are the eager ones; aot_eager: dynamo's part only, no compiler needed."""
+    q = quantize_nf4(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)), 64)
+    eager = dequantize_nf4(q, torch.float32)
+    monkeypatch.setattr(nf4, "_TABLES", {})
+    made = []
+    real = nf4._make_tables
+    monkeypatch.setattr(nf4, "_make_tables", lambda device: made.append(torch.compiler.is_compiling()) or real(device))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda packed: dequantize_nf4(packed, torch.float32), backend="aot_eager")
+    assert torch.equal(compiled(q), eager) and torch.equal(compiled(q), eager)
+    assert made == [False]  # made once, and not while being traced
+    torch._dynamo.reset()
