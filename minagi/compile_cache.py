@@ -64,18 +64,21 @@ def _api() -> tuple | None:
 
 def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | None = None) -> threading.Thread:
     """Start warming torch's compiler on a daemon thread, so that a compile later in this process
-    finds it ready: `modules` imported (default: inductor and Triton, then the modules recorded from
-    a compile of this torch before, `record_compile_imports`), then torch's source keys hashed. The
-    thread is returned, and the caller must `join` it before it touches the compiler itself (two
-    threads importing modules that import each other can leave one of them with a half-made module).
-    Dynamo is imported here, on the caller's thread. A module that is not installed (Triton on a
-    machine without it) is skipped; any other failure is raised on the thread (Python prints it), and
-    the compile that needs the module meets it again."""
-    import torch._dynamo  # noqa: F401  (the shared root of the rest: never half made by the thread)
-
+    finds it ready. By default: Triton's source hash while the caller imports dynamo here, then
+    inductor and Triton imported, torch's source hash, and the modules recorded from a compile of this
+    torch before (`record_compile_imports`); or only `modules`, once dynamo is in. The thread is
+    returned, and the caller must `join` it before it touches the compiler itself (two threads
+    importing modules that import each other can leave one of them with a half-made module: so the
+    thread touches no torch module until dynamo is imported). A module that is not installed (Triton
+    on a machine without it) is skipped; any other failure of a listed one is raised on the thread
+    (Python prints it), and the compile that needs the module meets it again."""
     first, then = (_COMPILER_MODULES, recorded_imports(root)) if modules is None else (modules, ())
+    dynamo_imported = threading.Event()
 
     def run() -> None:
+        if modules is None and _EARLY_TRITON:
+            _hash_triton()  # Triton's own modules only: beside the caller's import of dynamo
+        dynamo_imported.wait()
         _import_all(first)
         if modules is None:
             _hash_sources()
@@ -83,7 +86,33 @@ def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | Non
 
     thread = threading.Thread(target=run, name="minagi-warm-compiler", daemon=True)
     thread.start()
+    try:
+        import torch._dynamo  # noqa: F401  (the shared root of the rest: never half made by the thread)
+    finally:
+        dynamo_imported.set()
     return thread
+
+
+# Triton imports no module of torch's beyond torch itself (checked on the H200's Triton 3.6), so its
+# import and source hash may run while the caller imports dynamo.
+_EARLY_TRITON = True
+
+
+def _hash_triton() -> None:
+    """Triton's source hash (its own cached `triton_key`, which inductor's cache keys call; ~0.4 s)."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+        try:
+            key = getattr(importlib.import_module(module), "triton_key", None)
+        except Exception:  # noqa: BLE001 - a warm-up only
+            continue
+        if key is not None:
+            try:
+                key()
+            except Exception:  # noqa: BLE001
+                pass
+            return
 
 
 def _import_all(names: tuple[str, ...], recorded: bool = False) -> None:
