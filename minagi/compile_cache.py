@@ -88,13 +88,18 @@ def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | Non
     thread.start()
     try:
         import torch._dynamo  # noqa: F401  (the shared root of the rest: never half made by the thread)
-    finally:
+    except BaseException:
         dynamo_imported.set()
+        thread.join()  # not left importing on its own while the caller's error goes up
+        raise
+    dynamo_imported.set()
     return thread
 
 
 # Triton imports no module of torch's beyond torch itself (checked on the H200's Triton 3.6), so its
-# import and source hash may run while the caller imports dynamo.
+# import and source hash may run while the caller imports dynamo (which imports Triton too: the two
+# threads meet only at Triton's own modules). A Triton that imported torch's submodules at import
+# would break that; set this False.
 _EARLY_TRITON = True
 
 
@@ -153,18 +158,25 @@ def recorded_imports(root: str | Path | None = None) -> tuple[str, ...]:
     return tuple(n for n in names if isinstance(n, str)) if isinstance(names, list) else ()
 
 
+def _importable(name: str) -> bool:
+    """A module an import statement makes: not one inductor put in sys.modules itself (its generated
+    code, `torch._inductor.runtime.compile_tasks.<hash>`, one a kernel: the record would grow each shape)."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return spec is not None and ".compile_tasks." not in name
+
+
 def record_compile_imports(before: set[str], root: str | Path | None = None) -> bool:
     """Add the modules imported since `before` (a `set(sys.modules)` taken before a compile) to this
     torch's record, for the next process's `warm_compiler`; True if the record grew."""
     known = recorded_imports(root)
     new = sorted(n for n in set(sys.modules) - before - set(known) - set(_COMPILER_MODULES)
-                 if n.partition(".")[0] in _RECORDED_PACKAGES)
+                 if n.partition(".")[0] in _RECORDED_PACKAGES and _importable(n))
     if not new:
         return False
     path = _imports_file(root)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(list(known) + new)))
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(list(known) + new)), durable=False)  # a cache
     except OSError:  # a read-only cache folder: the next process imports them as the compile goes
         return False
     return True

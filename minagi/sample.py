@@ -208,9 +208,11 @@ def _load(path, device, warm: bool, err):
     from minagi.loading import load_trained
     warming = warm_compiler() if warm else None
     loading = time.perf_counter()
-    model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
-    if warming is not None:
-        warming.join()
+    try:
+        model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
+    finally:
+        if warming is not None:
+            warming.join()
     return model, vocab, ckpt, _Clock(time.perf_counter() - loading, err, "load and compiler imports" if warm else "load")
 
 

@@ -279,3 +279,40 @@ def test_the_writers_set_up_compiles_under_the_cache_and_records_what_the_compil
     sampling._set_up(model, [0], 64, 32, (0.0, 0, 1.0), False, None, ("auto", True, True), set())
     assert seen["threads"] == (threads_inside or inductor_config.compile_threads)
     assert "torch.utils.bundled_inputs" in compile_cache.recorded_imports(tmp_path / "compile")
+
+
+def test_inductors_generated_modules_are_not_recorded(tmp_path, monkeypatch):
+    import sys
+    import types
+    generated = "torch._inductor.runtime.compile_tasks.cminagitestkernel"
+    module = types.ModuleType(generated)
+    module.__spec__ = None  # what inductor's loader leaves: made from code, not found by an import
+    monkeypatch.setitem(sys.modules, generated, module)
+    before = set(sys.modules) - {generated, "torch.nn.functional"}
+    assert compile_cache.record_compile_imports(before, tmp_path)
+    assert compile_cache.recorded_imports(tmp_path) == ("torch.nn.functional",)
+
+
+def test_a_failing_dynamo_import_stops_the_thread_before_the_error_goes_up(monkeypatch):
+    import builtins
+    import time
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "torch._dynamo":
+            raise ImportError("dynamo broken here")
+        return real_import(name, *args, **kwargs)
+    started = []
+    real_thread = compile_cache.threading.Thread
+
+    def recording_thread(*args, **kwargs):
+        started.append(real_thread(*args, **kwargs))
+        return started[-1]
+    monkeypatch.setattr(compile_cache.threading, "Thread", recording_thread)
+    monkeypatch.setattr(compile_cache, "_hash_triton", lambda: None)
+    monkeypatch.setattr(compile_cache, "_import_all", lambda names, recorded=False: time.sleep(0.5))  # a slow import
+    monkeypatch.setattr(builtins, "__import__", failing)
+    with pytest.raises(ImportError, match="dynamo broken"):
+        compile_cache.warm_compiler(("json",))
+    monkeypatch.undo()
+    assert len(started) == 1 and not started[0].is_alive()
