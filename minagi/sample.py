@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
                         "per character, but the first run of a model shape and stream count compiles first "
                         "(10-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
-                        "that shape load it instead (ready in 3.0-3.8 s there with torch 2.11; docs/sampling.md)")
+                        "that shape load it instead (ready in 2.5-3.8 s there with torch 2.11; docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
