@@ -76,12 +76,12 @@ def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | Non
     dynamo_imported = threading.Event()
 
     def run() -> None:
-        if modules is None and _EARLY_TRITON:
+        if modules is None:
             _hash_triton()  # Triton's own modules only: beside the caller's import of dynamo
         dynamo_imported.wait()
         _import_all(first)
         if modules is None:
-            _hash_sources()
+            _hash_torch()
         _import_all(then, recorded=True)
 
     thread = threading.Thread(target=run, name="minagi-warm-compiler", daemon=True)
@@ -96,28 +96,20 @@ def warm_compiler(modules: tuple[str, ...] | None = None, root: str | Path | Non
     return thread
 
 
-# Triton imports no module of torch's beyond torch itself (checked on the H200's Triton 3.6), so its
-# import and source hash may run while the caller imports dynamo (which imports Triton too: the two
-# threads meet only at Triton's own modules). A Triton that imported torch's submodules at import
-# would break that; set this False.
-_EARLY_TRITON = True
-
-
 def _hash_triton() -> None:
-    """Triton's source hash (its own cached `triton_key`, which inductor's cache keys call; ~0.4 s)."""
+    """Triton's source hash (its own cached `triton_key`, which inductor's cache keys call; ~0.4 s).
+    Safe beside the caller's import of dynamo, which imports Triton too: Triton imports no module of
+    torch's beyond torch itself (checked on the H200's Triton 3.6), so the threads meet only there."""
     if importlib.util.find_spec("triton") is None:
         return
-    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):  # where Triton 3.x keeps it
         try:
             key = getattr(importlib.import_module(module), "triton_key", None)
-        except Exception:  # noqa: BLE001 - a warm-up only
-            continue
-        if key is not None:
-            try:
+            if key is not None:
                 key()
-            except Exception:  # noqa: BLE001
-                pass
-            return
+                return
+        except Exception:  # noqa: BLE001 - a warm-up only: the compile computes what this could not
+            continue
 
 
 def _import_all(names: tuple[str, ...], recorded: bool = False) -> None:
@@ -133,16 +125,15 @@ def _import_all(names: tuple[str, ...], recorded: bool = False) -> None:
                 raise
 
 
-def _hash_sources() -> None:
-    """torch's and Triton's source hashes, which inductor's first cache key computes (cached for the
-    process; ~0.5 s of file reads and hashing). torch's own names, so a torch without them is skipped."""
-    for module, name in (("torch._inductor.codecache", "torch_key"), ("torch._inductor.runtime.triton_compat", "triton_key")):
-        try:
-            key = getattr(importlib.import_module(module), name, None)
-            if key is not None and (name != "triton_key" or importlib.util.find_spec("triton") is not None):
-                key()
-        except Exception:  # noqa: BLE001 - a warm-up only: the compile computes what this could not
-            pass
+def _hash_torch() -> None:
+    """torch's source hash, which inductor's first cache key computes (cached for the process; ~0.2 s
+    of file reads and hashing). torch's own name, so a torch without it is skipped."""
+    try:
+        key = getattr(importlib.import_module("torch._inductor.codecache"), "torch_key", None)
+        if key is not None:
+            key()
+    except Exception:  # noqa: BLE001 - a warm-up only: the compile computes what this could not
+        pass
 
 
 def _imports_file(root: str | Path | None) -> Path:

@@ -230,7 +230,7 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
     start = time.perf_counter()
     device = model.embed.weight.device
     cache = pieces = None
-    before = set(sys.modules)  # what the compile imports is recorded for the next process's warm-up
+    before = set(sys.modules) if compiled else None  # what the compile imports: for the next warm-up
     if compiled:
         key = decode_key(model, len(seeds), window, resolve_products(products, compiled, len(seeds)), expert_path,
                          device)

@@ -1,8 +1,6 @@
 """minagi/compile_cache.py: torch's compile caches kept on disk per key, loaded before a compile and written
 after one, so the next process of the same shape finds its graphs compiled; and the fixed cost that
 sample.py says apart from the writing rate."""
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -194,7 +192,7 @@ def test_by_default_the_thread_imports_the_compiler_hashes_the_sources_then_impo
     real_import = compile_cache.importlib.import_module
     monkeypatch.setattr(compile_cache.importlib, "import_module", lambda name: done.append(name) or real_import(name))
     monkeypatch.setattr(compile_cache, "_COMPILER_MODULES", ("json",))
-    monkeypatch.setattr(compile_cache, "_hash_sources", lambda: done.append("hash"))
+    monkeypatch.setattr(compile_cache, "_hash_torch", lambda: done.append("hash"))
     monkeypatch.setattr(compile_cache, "_hash_triton", lambda: done.append("triton's hash"))
     thread = compile_cache.warm_compiler(root=tmp_path)
     thread.join(timeout=60)
@@ -217,14 +215,10 @@ def test_the_modules_a_compile_imported_are_recorded_once_for_this_torch(tmp_pat
     assert compile_cache.recorded_imports(tmp_path) == ()  # a torn record is no record
 
 
-def test_triton_is_hashed_early_only_by_default_and_a_machine_without_it_skips(monkeypatch):
+def test_triton_is_hashed_only_by_default_and_a_machine_without_it_skips(monkeypatch):
     done = []
     monkeypatch.setattr(compile_cache, "_hash_triton", lambda: done.append("triton's hash"))
     compile_cache.warm_compiler(("json",)).join(timeout=60)
-    monkeypatch.setattr(compile_cache, "_EARLY_TRITON", False)
-    monkeypatch.setattr(compile_cache, "_COMPILER_MODULES", ("json",))
-    monkeypatch.setattr(compile_cache, "_hash_sources", lambda: None)
-    compile_cache.warm_compiler(root=Path("/nonexistent-minagi-cache")).join(timeout=60)
     assert done == []
     monkeypatch.undo()
     monkeypatch.setattr(compile_cache.importlib.util, "find_spec", lambda name: None)
@@ -235,10 +229,10 @@ def test_source_hashing_calls_torchs_keys_and_a_failing_one_is_no_error(monkeypa
     import torch._inductor.codecache as codecache
     called = []
     monkeypatch.setattr(codecache, "torch_key", lambda: called.append("torch") or b"k")
-    compile_cache._hash_sources()
+    compile_cache._hash_torch()
     assert called == ["torch"]
     monkeypatch.setattr(codecache, "torch_key", lambda: 1 / 0)
-    compile_cache._hash_sources()  # a warm-up only
+    compile_cache._hash_torch()  # a warm-up only
 
 
 def test_a_hit_compiles_with_one_compile_thread_and_a_miss_with_torchs_setting(tmp_path):
