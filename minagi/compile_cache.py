@@ -13,11 +13,14 @@ runs as before. A file that does not load is set aside (recompiled and written a
 
 Dynamo's tracing is what that leaves: seconds a process. `PrecompiledPieces` keeps the decoder's
 pieces whole where torch can (`torch.compile(f, fullgraph=True).aot_compile`: dynamo's bytecode and
-guards with inductor's code and kernels, one file a piece under `<key>/`), so a process of a shape
-seen before loads them and traces nothing; `CompileCache` serves the torch that cannot. (Not
-used: torch's `caching_precompile` setting, which keeps dynamo's output in the same artifacts. On
-the H200's torch 2.11 its saved guards fail to unpickle in the next process, a TypeError inside
-torch.compile, measured 2026-12-03.)
+guards with inductor's code and kernels, one file a piece under `<key>/`; torch 2.11 has it behind
+dynamo's `enable_aot_compile` setting, which the pieces turn on while they compile), so a process of
+a shape seen before loads them and traces nothing; `CompileCache` serves the torch that cannot, and
+any piece whose compile or file torch refuses. (Not used: torch's `caching_precompile` setting,
+which keeps dynamo's output in the same artifacts: on the H200's torch 2.11 its saved guards fail to
+unpickle in the next process, measured 2026-12-03. Nor AOTInductor's packages, which load without
+dynamo: on that torch every CUDA package, a one-matmul piece included, crashed the process as it
+loaded, and one piece took ~39 s to compile; measured 2026-12-04.)
 
 What no cache removes is the compiler's first use in a process: importing inductor and Triton
 (about a second of Python), the modules a compile imports on its way (inductor's passes, kernel
@@ -25,7 +28,8 @@ templates, sympy: `record_compile_imports` keeps their names per torch version, 
 before), and hashing torch's and Triton's sources for the cache keys (~0.5 s on the H200's host,
 measured 2026-12-03). `warm_compiler` does all three on a thread of its own while the checkpoint
 loads (the hashing reads files and leaves the GIL to the load), and the caller joins it before
-compiling.
+compiling. (Where the pieces load whole, warming only the modules such a set-up had imported was
+no faster on the H200: measured 2026-12-04.)
 """
 from __future__ import annotations
 
@@ -231,21 +235,38 @@ class CompileCache:
         return True
 
 
+def _aot_setting() -> contextlib.AbstractContextManager:
+    """Dynamo's `enable_aot_compile` on: torch 2.11 hides `aot_compile` behind it (off by default
+    there, on in 2.13); a torch without the setting has it on or lacks it."""
+    import torch._dynamo.config as dynamo_config
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(enable_aot_compile=True)
+
+
+def _aot_compile(fn: Callable, args: tuple):
+    """`fn` compiled ahead of time for `args` (dynamo's bytecode and guards with inductor's code)."""
+    with _aot_setting():
+        return torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+
+
 @functools.cache
 def aot_available() -> bool:
     """Whether this torch compiles a function ahead of time into a file (`aot_compile` with
-    `load_compiled_function`: the CPU's 2.13 has both, the H200's 2.11 the second only)."""
-    return (hasattr(torch.compiler, "load_compiled_function")
-            and hasattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile"))
+    `load_compiled_function`: 2.13 has both, 2.11 both behind dynamo's `enable_aot_compile`)."""
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return False
+    with _aot_setting():
+        return hasattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile")
 
 
 class PrecompiledPieces:
     """Compiled pieces of one key, each made at its first call from that call's arguments (the shapes
     every later call has; dynamic=False): its file loaded where it is there and takes the call, else
-    compiled ahead of time and written; where torch cannot (no `aot_compile`, or a piece it refuses),
-    the piece runs `fallback`'s (torch.compile's lazy compile) and `CompileCache` keeps its caches;
-    a refusal is written down (`<name>.refused`, holding why), so later processes go straight to
-    the fallback instead of compiling twice.
+    compiled ahead of time and written; where torch cannot (no `aot_compile`, a piece it refuses, or
+    a file it cannot load), the piece runs `fallback`'s (torch.compile's lazy compile) and
+    `CompileCache` keeps its caches; a refusal is written down (`<name>.refused`, holding why), so
+    later processes go straight to the fallback instead of compiling twice.
 
     functions / fallback: name -> the eager function / its torch.compile. `calls()`: the callables to
     run, in `functions`' order. `status` after every piece ran once: "hit" (all loaded), "miss"
@@ -263,8 +284,18 @@ class PrecompiledPieces:
         return tuple(self._calls.values())
 
     def complete(self) -> bool:
-        """Every piece's file is there (then torch's own caches are not needed)."""
-        return all((self.folder / f"{name}.bin").is_file() for name in self.functions)
+        """Every piece's file is there and none was refused (then torch's own caches are not needed)."""
+        return all((self.folder / f"{name}.bin").is_file() and not (self.folder / f"{name}.refused").is_file()
+                   for name in self.functions)
+
+    def compiling(self) -> contextlib.AbstractContextManager:
+        """What the set-up runs under when every piece's file is there: inductor's compile threads set to
+        one, as `CompileCache.compiling` on a hit (loading the pieces' kernels would start the pool of
+        compile workers, which then held each process ~1.5 s at exit: H200, torch 2.11)."""
+        if not self.complete():
+            return contextlib.nullcontext()
+        import torch._inductor.config
+        return torch._inductor.config.patch(compile_threads=1)
 
     @property
     def status(self) -> str | None:
@@ -279,19 +310,17 @@ class PrecompiledPieces:
         if refused.is_file():  # aot_compile refused this piece before: not tried again
             self.made[name] = "fallback"
             return self.fallback[name], self.fallback[name](*args)
-        if path.is_file():
-            try:
+        try:
+            if path.is_file():  # written atomically under a key naming torch and minagi's code
                 with open(path, "rb") as fh:
                     loaded = torch.compiler.load_compiled_function(fh)
-                out = loaded(*args)  # its guards check the call: a file of other shapes fails here
+                out = loaded(*args)  # its guards check the call
                 self.made[name] = "loaded"
                 return loaded, out
-            except Exception:  # noqa: BLE001 - stale, torn or of another torch: compiled again below
-                pass
-        try:
-            compiled = torch.compile(self.functions[name], fullgraph=True, dynamic=False).aot_compile((args, {}))
-        except Exception as e:  # noqa: BLE001 - an experimental API: any refusal falls back to torch.compile
-            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}\n"
+            compiled = _aot_compile(self.functions[name], args)
+        except Exception as e:  # noqa: BLE001 - an experimental API: a refusal to compile or to load the
+            # file falls back to torch.compile, and is kept, so that no later process compiles twice
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}\n"
             self._write(refused, lambda tmp: tmp.write_text(why))
             self.made[name] = "fallback"
             return self.fallback[name], self.fallback[name](*args)

@@ -78,8 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="run the one-character step through torch.compile (CUDA, trainable experts): faster "
                         "per character, but the first run of a model shape and stream count compiles first "
-                        "(10-18 s on the H200); its compile is kept in ~/.cache/minagi/compile, so later runs of "
-                        "that shape load it instead (ready in 2.5-3.8 s there with torch 2.11; docs/sampling.md)")
+                        "(ready in 6.6-9.3 s on the H200 with torch 2.11); its compile is kept in "
+                        "~/.cache/minagi/compile, so later runs of that shape load it instead (ready in 2.8-4.0 s "
+                        "there; docs/sampling.md)")
     p.add_argument("--products", choices=("auto", "on", "off"), default="auto",
                    help="with --compile: write the step's products as sums (fused by inductor); auto = with "
                         "at most 8 streams (default; faster on the h200 and cuda_small profiles on an H200: "
@@ -206,8 +207,8 @@ def _load(path, device, warm: bool, err):
     could leave one of them half made), and the wait counts in the time said."""
     from minagi.compile_cache import warm_compiler
     from minagi.loading import load_trained
-    warming = warm_compiler() if warm else None
     loading = time.perf_counter()
+    warming = warm_compiler() if warm else None  # dynamo imported here, on this thread: in the time said
     try:
         model, vocab, ckpt = load_trained(path, device)  # a bad vocabulary string is its CheckpointError
     finally:

@@ -239,7 +239,8 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
         if pieces is None or not pieces.complete():  # torch's caches serve what is compiled the old way
             cache = CompileCache(key)
             cache.load()
-    with cache.compiling() if cache is not None else contextlib.nullcontext():
+    compiling = (cache or pieces).compiling() if compiled else contextlib.nullcontext()
+    with compiling:
         decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
                           graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
                           read_in_place=read == "experts", pieces=pieces and pieces.calls())

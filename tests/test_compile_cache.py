@@ -100,9 +100,25 @@ needs_aot = pytest.mark.skipif(not aot_available(), reason="this torch has no ao
 
 @needs_aot
 @pytest.mark.slow
+def _aot_setting_off():
+    """Dynamo's enable_aot_compile off, as torch 2.11 ships it, by the setting's own patch (monkeypatch's
+    undo would delete the setting, which hides it for good)."""
+    import contextlib
+    import torch._dynamo.config as dynamo_config
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(enable_aot_compile=False)
+
+
 def test_precompiled_pieces_are_written_once_then_loaded_whole_and_compute_the_same(tmp_path):
     """A second set of the same key loads each piece's file (no trace) and agrees with the eager function;
-    a torn file is compiled and written again."""
+    a file that does not load sends its piece to the fallback, for good (not compiled in every process).
+    With dynamo's `enable_aot_compile` off, as torch 2.11 ships it: the pieces turn it on themselves."""
+    with _aot_setting_off():
+        _check_precompiled_pieces(tmp_path)
+
+
+def _check_precompiled_pieces(tmp_path):
     functions = {"double_sin": lambda x: (x.sin() * 2).sum(-1), "norm": lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * w}
     x, w = torch.randn(4, 8), torch.randn(8)
     first = _pieces(tmp_path, functions)
@@ -121,7 +137,12 @@ def test_precompiled_pieces_are_written_once_then_loaded_whole_and_compute_the_s
     third = _pieces(tmp_path, functions)
     for call, name in zip(third.calls(), functions):
         torch.testing.assert_close(call(x) if name == "double_sin" else call(x, w), functions[name](*((x,) if name == "double_sin" else (x, w))))
-    assert third.made == {"double_sin": "loaded", "norm": "written"} and third.status == "miss"
+    assert third.made == {"double_sin": "loaded", "norm": "fallback"} and third.status == "fallback"
+    assert (third.folder / "norm.refused").read_text().startswith(("EOFError", "UnpicklingError", "RuntimeError",
+                                                                   "ValueError", "TypeError"))
+    fourth = _pieces(tmp_path, functions)
+    fourth.calls()[1](x, w)
+    assert fourth.made == {"norm": "fallback"}
 
 
 def test_a_piece_torch_cannot_precompile_runs_torch_compile_says_why_and_is_not_tried_again(tmp_path, monkeypatch):
@@ -148,6 +169,21 @@ def test_a_piece_torch_cannot_precompile_runs_torch_compile_says_why_and_is_not_
         assert not pieces.complete() and not (pieces.folder / "twice.bin").exists()
         assert (pieces.folder / "twice.refused").read_text() == "RuntimeError: graph break in piece\n"
     assert len(tried) == 1  # the second process read the refusal
+
+
+def test_aot_compile_is_found_behind_dynamos_setting_where_torch_keeps_it_off():
+    """torch 2.11 has aot_compile but hides it unless `torch._dynamo.config.enable_aot_compile` is set."""
+    import torch._dynamo.config as dynamo_config
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        pytest.skip("this torch has no enable_aot_compile setting")
+    compile_cache.aot_available.cache_clear()
+    try:
+        with _aot_setting_off():
+            assert not hasattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile")  # what 2.11 shows
+            assert compile_cache.aot_available() == hasattr(torch.compiler, "load_compiled_function")
+            assert dynamo_config.enable_aot_compile is False  # the setting is the user's again
+    finally:
+        compile_cache.aot_available.cache_clear()
 
 
 def test_the_decoders_key_names_minagis_own_code():
@@ -273,6 +309,44 @@ def test_the_writers_set_up_compiles_under_the_cache_and_records_what_the_compil
     sampling._set_up(model, [0], 64, 32, (0.0, 0, 1.0), False, None, ("auto", True, True), set())
     assert seen["threads"] == (threads_inside or inductor_config.compile_threads)
     assert "torch.utils.bundled_inputs" in compile_cache.recorded_imports(tmp_path / "compile")
+
+
+def test_a_set_up_that_loads_every_piece_whole_runs_one_compile_thread(tmp_path, monkeypatch):
+    import sys
+    import torch._inductor.config as inductor_config
+    from minagi import sampling
+    seen = {}
+
+    class LoadingDecoder:  # stands in for the CUDA-only compiled decoder: its pieces' loads import a module
+        def __init__(self, *args, pieces=None, **kwargs):
+            import torch.utils.bundled_inputs  # noqa: F401
+            seen["threads"], seen["pieces"] = inductor_config.compile_threads, pieces
+
+        def prepare_slides(self, sizes):
+            pass
+
+    monkeypatch.setattr(compile_cache, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(sampling, "aot_available", lambda: True)
+    monkeypatch.setattr(sampling, "Decoder", LoadingDecoder)
+    monkeypatch.setattr(sampling, "compiled_pieces", lambda: (None,) * 4)
+    monkeypatch.delitem(sys.modules, "torch.utils.bundled_inputs", raising=False)
+    monkeypatch.setattr(PrecompiledPieces, "complete", lambda self: True)
+    monkeypatch.setattr(PrecompiledPieces, "status", "hit")
+    monkeypatch.setattr(CompileCache, "load", lambda self: pytest.fail("torch's caches are not needed"))
+    cfg = load_config(None, ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "pool.n_experts=4"])
+    model = build_model(cfg.model, cfg.pool, 20, "cpu")
+    _, ready = sampling._set_up(model, [0], 64, 32, (0.0, 0, 1.0), False, None, ("auto", True, True), set())
+    assert seen["threads"] == 1 and len(seen["pieces"]) == 4 and ready.cache == "precompiled hit"
+
+
+def test_a_refused_piece_leaves_the_set_incomplete_so_torchs_caches_serve_it(tmp_path):
+    pieces = _pieces(tmp_path, {"a": lambda x: x, "b": lambda x: x})
+    pieces.folder.mkdir(parents=True)
+    for name in ("a", "b"):
+        (pieces.folder / f"{name}.bin").write_bytes(b"made")
+    assert pieces.complete()
+    (pieces.folder / "b.refused").write_text("UnpicklingError: could not find MARK\n")
+    assert not pieces.complete()
 
 
 def test_inductors_generated_modules_are_not_recorded(tmp_path, monkeypatch):
