@@ -310,27 +310,38 @@ class PrecompiledPieces:
         if refused.is_file():  # aot_compile refused this piece before: not tried again
             self.made[name] = "fallback"
             return self.fallback[name], self.fallback[name](*args)
+        stage = "load"
         try:
             if path.is_file():  # written atomically under a key naming torch and minagi's code
                 with open(path, "rb") as fh:
                     loaded = torch.compiler.load_compiled_function(fh)
+                stage = "call"
                 out = loaded(*args)  # its guards check the call
                 self.made[name] = "loaded"
                 return loaded, out
+            stage = "compile"
             compiled = _aot_compile(self.functions[name], args)
-        except Exception as e:  # noqa: BLE001 - an experimental API: a refusal to compile or to load the
-            # file falls back to torch.compile, and is kept, so that no later process compiles twice
-            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}\n"
+            stage = "save"
+            self._write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
+        except torch.cuda.OutOfMemoryError:  # the device's state, not the piece's: no refusal kept
+            raise
+        except Exception as e:  # noqa: BLE001 - an experimental API: a refusal to compile, save or load the
+            # piece falls back to torch.compile, and is kept, so that no later process compiles twice
+            why = f"{stage}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}\n"
             self._write(refused, lambda tmp: tmp.write_text(why))
             self.made[name] = "fallback"
             return self.fallback[name], self.fallback[name](*args)
-        self._write(path, lambda tmp: compiled.save_compiled_function(str(tmp)))
         self.made[name] = "written"
         return compiled, compiled(*args)
 
     def _write(self, path: Path, write: Callable[[Path], object]) -> None:
+        """`write` atomically at `path`; an unwritable folder is let be (the next run compiles again),
+        any other failure of `write` goes up."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return
+        try:
             atomic_write(path, write)
         except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
             pass

@@ -239,12 +239,15 @@ def _set_up(model: CharLM, seeds: list[int], window: int, keep: int, sampler: tu
         if pieces is None or not pieces.complete():  # torch's caches serve what is compiled the old way
             cache = CompileCache(key)
             cache.load()
-    compiling = (cache or pieces).compiling() if compiled else contextlib.nullcontext()
+    compiling = (cache if cache is not None else pieces).compiling() if compiled else contextlib.nullcontext()
     with compiling:
         decoder = Decoder(model, seeds, window, keep=keep, temperature=temperature, top_k=top_k, top_p=top_p,
                           graphs=graphs, expert_path=expert_path, compiled=compiled, products=products,
                           read_in_place=read == "experts", pieces=pieces and pieces.calls())
         decoder.prepare_slides(slide_sizes)
+    if cache is None and pieces is not None and pieces.status == "fallback":  # a piece's file did not load:
+        cache = CompileCache(key)  # its torch.compile ran without torch's caches: they are written for the next run
+        cache.status = "miss"
     if compiled:
         record_compile_imports(before)
     status, where = _cache_status(cache, pieces)
