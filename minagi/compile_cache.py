@@ -177,6 +177,13 @@ def record_compile_imports(before: set[str], root: str | Path | None = None) -> 
     return True
 
 
+def _one_compile_thread() -> contextlib.AbstractContextManager:
+    """Inductor's compile threads set to one: no pool of compile workers (a process a CPU core, each
+    importing torch), which a set-up with nothing left to compile would only wait for at exit."""
+    import torch._inductor.config
+    return torch._inductor.config.patch(compile_threads=1)
+
+
 def _digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -213,10 +220,7 @@ class CompileCache:
         Everything is in the loaded caches, so the pool of compile workers inductor starts at its
         first compile (a process a CPU core, each importing torch) only competes for the host and
         holds the process ~2 s at exit (H200 host, measured 2026-12-03)."""
-        if self.status != "hit":
-            return contextlib.nullcontext()
-        import torch._inductor.config
-        return torch._inductor.config.patch(compile_threads=1)
+        return _one_compile_thread() if self.status == "hit" else contextlib.nullcontext()
 
     def save(self) -> bool:
         """Write this process's compile artifacts (after the compile) unless they were loaded; True if written."""
@@ -292,10 +296,7 @@ class PrecompiledPieces:
         """What the set-up runs under when every piece's file is there: inductor's compile threads set to
         one, as `CompileCache.compiling` on a hit (loading the pieces' kernels would start the pool of
         compile workers, which then held each process ~1.5 s at exit: H200, torch 2.11)."""
-        if not self.complete():
-            return contextlib.nullcontext()
-        import torch._inductor.config
-        return torch._inductor.config.patch(compile_threads=1)
+        return _one_compile_thread() if self.complete() else contextlib.nullcontext()
 
     @property
     def status(self) -> str | None:
@@ -308,8 +309,7 @@ class PrecompiledPieces:
         """The callable of piece `name` made for `args` (the piece's first call), and that call's output."""
         path, refused = self.folder / f"{name}.bin", self.folder / f"{name}.refused"
         if refused.is_file():  # aot_compile refused this piece before: not tried again
-            self.made[name] = "fallback"
-            return self.fallback[name], self.fallback[name](*args)
+            return self._fall_back(name, args)
         stage = "load"
         try:
             if path.is_file():  # written atomically under a key naming torch and minagi's code
@@ -329,19 +329,19 @@ class PrecompiledPieces:
             # piece falls back to torch.compile, and is kept, so that no later process compiles twice
             why = f"{stage}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}\n"
             self._write(refused, lambda tmp: tmp.write_text(why))
-            self.made[name] = "fallback"
-            return self.fallback[name], self.fallback[name](*args)
+            return self._fall_back(name, args)
         self.made[name] = "written"
         return compiled, compiled(*args)
+
+    def _fall_back(self, name: str, args: tuple) -> tuple[Callable, object]:
+        self.made[name] = "fallback"
+        return self.fallback[name], self.fallback[name](*args)
 
     def _write(self, path: Path, write: Callable[[Path], object]) -> None:
         """`write` atomically at `path`; an unwritable folder is let be (the next run compiles again),
         any other failure of `write` goes up."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return
-        try:
             atomic_write(path, write)
         except OSError:  # a read-only or full cache folder costs the next run a compile, nothing more
             pass
