@@ -237,7 +237,9 @@ class PoolConfig(_Section):
     # sigmoid per expert, gates normalised over the chosen top_k.
     router_score: Literal["softmax", "sigmoid"] = "softmax"
     sink_ratio: float = 4.0  # reporting only: an expert over sink_ratio x fair share counts as a sink
-    swiglu: Literal["auto", "eager"] = "auto"  # auto = minagi's Triton kernels where they run
+    # The SwiGLU's kernels (minagi/swiglu.py): auto = minagi's Triton kernels where they run, else
+    # torch's jiterator ones on a GPU; jiterator = those on any GPU (a card without Triton); eager = torch ops.
+    swiglu: Literal["auto", "jiterator", "eager"] = "auto"
     expert_dropout: float = 0.0  # training: each chosen expert's output dropped with this chance (gates rescaled)
     # The balance term's f.P over: the whole optimizer step (all micro-batches and ranks), each
     # micro-batch (one forward, all ranks), or each sequence (then averaged). Equal with accum_steps 1

@@ -189,19 +189,19 @@ class FrozenStep(_Routed):
 
 class GroupedStep(_Routed):
     """The pool's own grouped-GEMM path (`dispatch.run_native`) on whole resident stacks gate_up
-    [E, D, 2F], down [E, F, D]: sort and counts without a host sync. `fused`: the Triton SwiGLU may run."""
+    [E, D, 2F], down [E, F, D]: sort and counts without a host sync. `kernels`: pool.swiglu (minagi/swiglu.py)."""
 
     def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, gate_up_EDF2: Tensor,
-                 down_EFD: Tensor, fused: bool = False, products: bool = False):
+                 down_EFD: Tensor, kernels: str = "eager", products: bool = False):
         super().__init__(router_ED, bias_E, top_k, products)
-        self.gate_up_EDF2, self.down_EFD, self.fused = gate_up_EDF2, down_EFD, fused
+        self.gate_up_EDF2, self.down_EFD, self.kernels = gate_up_EDF2, down_EFD, kernels
 
     def __call__(self, x_ND: Tensor) -> Tensor:
         dtype = compute_dtype(x_ND)
         ids_NK, gates_NK = self.route(x_ND)
         plan = make_plan(ids_NK, self.gate_up_EDF2.shape[0])
         return run_native(x_ND.to(dtype), gates_NK.to(dtype), self.gate_up_EDF2, self.down_EFD, plan, {},
-                          fused=self.fused)
+                          kernels=self.kernels)
 
 
 class PoolStep:
@@ -273,16 +273,16 @@ def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolSte
     grouped = options.expert_path == "grouped" or (options.expert_path == "auto"
                                                    and auto_grouped(pool, options.n_streams))
     gate_up, down = options.cast(pool.experts.gate_up), options.cast(pool.experts.down)
-    fused = pool.cfg.swiglu == "auto"
+    kernels = pool.cfg.swiglu
     if grouped:
-        step = GroupedStep(*route, gate_up, down, fused, options.products)
+        step = GroupedStep(*route, gate_up, down, kernels, options.products)
     elif options.products:  # gathered_products sums along contiguous memory: the stacks transposed
         gate_up, down = (s.transpose(1, 2).contiguous() for s in (gate_up, down))
         step = GatheredStep(*route, gate_up, down, products=True)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)  # the window's: [E, D, 2F], [E, F, D] views
     else:
         step = GatheredStep(*route, gate_up, down)
-    window = GroupedStep(*route, gate_up, down, fused) if pool.path == "native" else PoolStep(pool)
+    window = GroupedStep(*route, gate_up, down, kernels) if pool.path == "native" else PoolStep(pool)
     return _with_shared(pool, step, options), _with_shared(pool, window, options)
 
 

@@ -216,10 +216,10 @@ def gather_sum(src_SD: Tensor, index_flat: Tensor, top_k: int, masked: bool) -> 
 # ---------------------------------------------------------------- paths: [N, D] -> [N, D]
 # Each takes the characters x_ND and their routing (plan, gates_NK), returns the gate-weighted sum
 # of their experts' outputs (rows dropped by capacity add nothing), and puts padded_rows into `stats`.
-# `fused`: the SwiGLU may use minagi's Triton kernels where they run (minagi/swiglu.py).
+# `kernels`: pool.swiglu, which of the SwiGLU's implementations may run (minagi/swiglu.py).
 
 def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-             stats: dict, fused: bool = True, layout: "Layout | None" = None) -> Tensor:
+             stats: dict, kernels: str = "auto", layout: "Layout | None" = None) -> Tensor:
     """The reference: one expert at a time over its kept rows (each its own group of one); dropped
     rows get zeros; eager SwiGLU ops."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
@@ -243,13 +243,13 @@ def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan
 
 
 def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-               stats: dict, fused: bool = True, layout: "Layout | None" = None) -> Tensor:
+               stats: dict, kernels: str = "auto", layout: "Layout | None" = None) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     offs_E = plan.ends_E.to(torch.int32)
     h_RF2 = grouped_mm(x_RD, gate_up, offs_E)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return combine(grouped_mm(swiglu(h_RF2, gate_R, fused), down, offs_E), plan)
+    return combine(grouped_mm(swiglu(h_RF2, gate_R, kernels), down, offs_E), plan)
 
 
 # ---------------------------------------------------------------- the padded paths' layout
@@ -397,7 +397,7 @@ def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Te
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
-               layout: Layout, stats: dict, fused: bool = True) -> Tensor:
+               layout: Layout, stats: dict, kernels: str = "auto") -> Tensor:
     """Run a layout's card layer and overflow groups as bmm pairs (`mm.layered_bmm`).
 
     The rows of every layer live in one flat padded buffer [P, D]. Characters are gathered straight
@@ -419,20 +419,20 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
     layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))
     h_PF2 = layered_bmm(x_PD, gate_up, layers, experts_G)
-    y_PD = layered_bmm(swiglu(h_PF2, gate_P, fused), down, layers, experts_G)
+    y_PD = layered_bmm(swiglu(h_PF2, gate_P, kernels), down, layers, experts_G)
     return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
 
 
-def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True, layout: Layout | None = None):
+def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, kernels: str = "auto", layout: Layout | None = None):
     """The card layer and overflow groups of `layered_layout` (made here unless given: one host sync)."""
     layout = layout if layout is not None else host_layout("grouped", plan)
-    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, fused)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, kernels)
 
 
-def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, fused: bool = True, layout: Layout | None = None):
+def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, kernels: str = "auto", layout: Layout | None = None):
     """Every expert padded to the busiest one's load: one card layer, no overflow (the old path)."""
     layout = layout if layout is not None else host_layout("rectangle", plan)
-    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, fused)
+    return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, kernels)
 
 
 RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}

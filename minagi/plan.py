@@ -135,11 +135,19 @@ def _resolve(cfg: Config, target: Target, world_size: int, vocab_size: int) -> _
     pad = _padding(path, p.n_experts, p.top_k, N, p.sink_ratio, frozen=x.frozen) if m.mlp == "pooled" else 1.0
     return _Shape(L=m.n_rows, D=m.d_model, H=m.n_heads, T=m.context, V=vocab_size, N=N, E=p.n_experts, K=p.top_k,
                   F=p.d_expert, c=c, autocast=c == 2, pooled=m.mlp == "pooled", dense_width=cfg.dense_width,
-                  path=path, eager_swiglu=not (target.kernels and p.swiglu == "auto" and c == 2),
+                  path=path, eager_swiglu=_eager_swiglu(p.swiglu, target, c),
                   fused_norm=target.fused_norm, math_attention=not target.gpu, frozen=x.frozen, quant=x.quant,
                   lora=x.lora_rank,
                   torch_dequant=not target.kernels, pad=pad, dropout=m.dropout > 0, z_loss=p.z_loss_coef > 0,
                   expert_dropout=p.expert_dropout > 0, compiled=tc.compile and target.gpu)
+
+
+def _eager_swiglu(setting: str, target: Target, c: int) -> bool:
+    """Whether the SwiGLU keeps the eager ops' two [rows, F] products for backward. The kernels (Triton
+    under "auto", jiterator when asked) keep h and the gate only; "auto" where Triton does not run
+    counts the eager ops: its jiterator kernels are probed at run time and may not be there."""
+    fused = (setting == "auto" and target.kernels) or (setting == "jiterator" and target.gpu)
+    return not (fused and c == 2)
 
 
 def _padding(path: str, n_experts: int, top_k: int, n_chars: int, sink_ratio: float, frozen: bool) -> float:

@@ -148,6 +148,6 @@ class PooledMLP(nn.Module):
         gate_up, down = self.experts.weights(dtype, in_place=in_place)
         stats: dict = {}
         y_ND = RUNNERS[path](x_ND.to(dtype), gates_NK.to(dtype), gate_up, down, plan, stats,
-                             fused=self.cfg.swiglu == "auto", layout=layout)
+                             kernels=self.cfg.swiglu, layout=layout)
         dropped = (plan.counts_E - plan.capacity).clamp(min=0).sum() if plan.capacity > 0 else None
         return y_ND.to(x_ND.dtype), RouteCounts(plan.counts_E, dropped, plan.n_chars, stats["padded_rows"], path)

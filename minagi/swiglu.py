@@ -4,16 +4,20 @@ Shapes: h [rows, 2F] (the gate half, then the up half), gate [rows] -> act [rows
 Gating here is linear, so it equals gating the expert's output, and spares the combine a pass over
 [R, D] and its backward.
 
-Two implementations of one function:
-  eager  -- torch ops. CPU, GPUs without Triton, and every call that needs no gradient (decoding).
-  triton -- NVIDIA GPUs (sm80+) in calls that need gradients: one hand-written kernel each way.
-            The backward reads h and the output gradient once and writes both halves of grad h
-            and the gate's gradient in the same pass; torch.compile's backward for the same
-            function took two kernels that read h twice (docs/LOG.md has the H200 times). Rows may
-            change from call to call (the bucketed path): nothing is recompiled.
-`swiglu(..., fused=False)` keeps the eager ops (the setting `pool.swiglu = "eager"`; train.py maps the
-environment variable MINAGI_SWIGLU onto it). ROCm keeps the eager ops: the kernels have not been run on
-an AMD GPU.
+Three implementations of one function, chosen by `swiglu(..., kernels=)` (the setting `pool.swiglu`;
+train.py maps the environment variable MINAGI_SWIGLU onto it):
+  eager      torch ops. CPU, and every call that needs no gradient (decoding); "eager" asks for
+             them everywhere.
+  triton     NVIDIA GPUs (sm80+) in calls that need gradients, under "auto": one hand-written kernel
+             each way. The backward reads h and the output gradient once and writes both halves of
+             grad h and the gate's gradient in the same pass; torch.compile's backward for the same
+             function took two kernels that read h twice (docs/LOG.md has the H200 times). Rows may
+             change from call to call (the bucketed path): nothing is recompiled.
+  jiterator  other GPUs (ROCm, a Python without Triton) under "auto", and every GPU under
+             "jiterator" (how a Triton-equipped machine measures the Triton-less one): torch's
+             run-time compiled elementwise kernels, one pass forward and two backward, saving only h
+             and the gate (minagi/swiglu_jit.py). Probed once per device; where they fail, eager ops.
+             Inside torch.compile the eager ops run instead: inductor fuses them itself.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import swiglu_jit
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _KERNELS_TESTED_HERE = TRITON_AVAILABLE and torch.version.hip is None  # run on NVIDIA GPUs only
@@ -34,22 +40,38 @@ def swiglu_eager(h: Tensor, gate: Tensor) -> Tensor:
     return F.silu(h_gate) * h_up * gate.unsqueeze(-1)
 
 
-def swiglu(h: Tensor, gate: Tensor, fused: bool = True) -> Tensor:
-    """[..., 2F], [...] -> [..., F]: the Triton kernels for CUDA training calls (unless `fused` is
-    False), else eager ops. Inside torch.compile the kernels run as the custom op `minagi::swiglu`,
-    so a compiled model keeps their one-pass backward."""
-    if not (fused and _use_kernels(h)):
+KERNELS = ("auto", "jiterator", "eager")  # the values of pool.swiglu
+
+
+def swiglu(h: Tensor, gate: Tensor, kernels: str = "auto") -> Tensor:
+    """[..., 2F], [...] -> [..., F] through the implementation `kernels` and the call choose (above).
+    Inside torch.compile the Triton kernels run as the custom op `minagi::swiglu`, so a compiled model
+    keeps their one-pass backward."""
+    chosen = implementation(h, kernels)
+    if chosen == "eager":
         return swiglu_eager(h, gate)
     lead = h.shape[:-1]
     h_RF2, gate_R = h.reshape(-1, h.shape[-1]), gate.reshape(-1)
-    act = _swiglu_op(h_RF2, gate_R) if torch.compiler.is_compiling() else _SwiGLU.apply(h_RF2, gate_R)  # [rows, F]
+    if chosen == "jiterator":
+        act = swiglu_jit.JitSwiGLU.apply(h_RF2.contiguous(), gate_R.contiguous())  # [rows, F]
+    elif torch.compiler.is_compiling():
+        act = _swiglu_op(h_RF2, gate_R)
+    else:
+        act = _SwiGLU.apply(h_RF2, gate_R)
     return act.view(*lead, act.shape[-1])  # not -1: ambiguous when there are no rows
 
 
-def _use_kernels(h: Tensor) -> bool:
-    if not (h.is_cuda and h.requires_grad and _KERNELS_TESTED_HERE):
-        return False
-    return _capable(h.device.index)  # a CUDA tensor's device always has an index
+def implementation(h: Tensor, kernels: str = "auto") -> str:
+    """"triton", "jiterator" or "eager": which one `swiglu(h, ..., kernels)` runs for this call."""
+    if kernels not in KERNELS:
+        raise ValueError(f"swiglu kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+    if kernels == "eager" or not (h.is_cuda and h.requires_grad):
+        return "eager"
+    if kernels == "auto" and _KERNELS_TESTED_HERE and _capable(h.device.index):  # a CUDA tensor has an index
+        return "triton"
+    if torch.compiler.is_compiling() or not swiglu_jit.works(h.device, h.dtype):
+        return "eager"
+    return "jiterator"
 
 
 @functools.cache

@@ -11,7 +11,7 @@
     torchrun --nproc_per_node=8 -m minagi.train --profile h200 ...
 
 Under torchrun every rank runs this file; rank 0 alone prints, shows progress and writes the run.
-The environment is read here and only here: MINAGI_SWIGLU=auto|eager sets pool.swiglu, and
+The environment is read here and only here: MINAGI_SWIGLU=auto|jiterator|eager sets pool.swiglu, and
 MINAGI_REPLAY_PIN overrides experts.replay_pin (1/true/on/yes: on; 0/false/off/no: off; anything else,
 or unset: the profile's setting).
 Exit codes: 0 done, 2 bad configuration / data / checkpoint / run folder (a full disk included),
@@ -66,8 +66,8 @@ def environment_overrides(environ=os.environ) -> list[str]:
     sets = []
     value = environ.get("MINAGI_SWIGLU")
     if value is not None:
-        if value not in ("auto", "eager"):
-            raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got {value!r}",
+        if value not in ("auto", "jiterator", "eager"):
+            raise ConfigError(f"environment variable MINAGI_SWIGLU: must be 'auto', 'jiterator' or 'eager'; got {value!r}",
                               "MINAGI_SWIGLU")
         sets.append(f"pool.swiglu={value}")
     pin = environ.get("MINAGI_REPLAY_PIN", "").strip().lower()

@@ -292,13 +292,15 @@ def test_paths_traced_by_torch_compile_match_eager_in_gradients(path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("swiglu", ["auto", "jiterator"])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cuda_bf16_training_paths_match_fp32_loop_in_gradients(scenario, capacity_factor):
-    """With gradients on CUDA the SwiGLU runs minagi's Triton kernels; the bucketed paths pass their
-    [G, C, 2F] groups, the native path its packed [R, 2F] rows; capacity drops rows on the way."""
+def test_cuda_bf16_training_paths_match_fp32_loop_in_gradients(scenario, capacity_factor, swiglu):
+    """With gradients on CUDA the SwiGLU runs minagi's Triton kernels (or the jiterator ones); the
+    bucketed paths pass their [G, C, 2F] groups, the native path its packed [R, 2F] rows; capacity
+    drops rows on the way."""
     n_chars, bias = SCENARIOS[scenario]
-    pool = make_pool(capacity_factor=capacity_factor)
+    pool = make_pool(capacity_factor=capacity_factor, swiglu=swiglu)
     x = torch.randn(n_chars, D)
     ids, gates = routing(n_chars, bias)
     ref = run(pool, "loop", x, ids, gates)

@@ -122,3 +122,17 @@ def test_a_rows_saved_tensors_are_what_autograd_saves_on_the_cpu(precision, extr
     s = _resolve(load_config(None, sets), TARGETS["cpu"], 1, 96)
     planned = sum(row_saved(s).values()) + weight_copies(s)
     assert planned == pytest.approx(measured, rel=0.003), (planned, measured)  # within 1 byte a character
+
+
+def test_the_swiglu_kernels_setting_decides_whether_the_plan_counts_the_eager_ops_products():
+    """Triton (auto on NVIDIA) and the jiterator (asked for) keep h and the gate only; "auto" on ROCm
+    counts the eager ops' two [rows, F] products, since its jiterator kernels are probed at run time."""
+    shape = lambda sets, target: _resolve(load_config("strix_large", sets), TARGETS[target], 1, 96)  # noqa: E731
+    assert not shape([], "sm80").eager_swiglu
+    assert shape([], "rocm").eager_swiglu
+    assert not shape(["pool.swiglu=jiterator"], "rocm").eager_swiglu
+    assert shape(["pool.swiglu=eager"], "sm80").eager_swiglu
+    assert shape(["pool.swiglu=jiterator"], "cpu").eager_swiglu  # no GPU: torch ops
+    rocm = plan_memory(load_config("strix_large"), target=TARGETS["rocm"])
+    fused = plan_memory(load_config("strix_large", ["pool.swiglu=jiterator"]), target=TARGETS["rocm"])
+    assert fused.peak_allocated < rocm.peak_allocated

@@ -110,6 +110,111 @@ def test_swiglu_autograd_uses_the_kernels_and_matches_eager():
     want = reference(h.detach().cpu(), gate.detach().cpu(), grad.cpu())
     for got, ref in zip((act.detach(), h.grad, gate.grad), want):
         assert relative_error(got.cpu(), ref) < 1e-5
-    eager = swiglu(h, gate, fused=False)  # pool.swiglu = "eager"
+    eager = swiglu(h, gate, "eager")  # pool.swiglu = "eager"
     assert not any("SwiGLU" in type(f).__name__ for f in [eager.grad_fn] +
                    [f for f, _ in eager.grad_fn.next_functions if f is not None])
+
+
+# ---------------------------------------------------------------- the jiterator kernels (minagi/swiglu_jit.py)
+# On the CPU forward() and backward() run with torch stand-ins for the kernels' one-element functions:
+# that checks the views they build (the halves, the broadcast selector, the [R, 2, F] grad h) and the
+# stand-ins' maths. On CUDA the C++ functions themselves run.
+
+from minagi import swiglu_jit  # noqa: E402
+
+
+def check_jit(device, dtype, tol, elementwise=None, chunk=swiglu_jit._CHUNK):
+    for rows, width in SHAPES:
+        gen = torch.Generator().manual_seed(rows * 1000 + width)
+        h = torch.randn(rows, 2 * width, generator=gen).to(device, dtype)
+        gate = torch.rand(rows, generator=gen).to(device, dtype)
+        grad = torch.randn(rows, width, generator=gen).to(device, dtype)
+        act = swiglu_jit.forward(h, gate, elementwise)
+        grad_h, grad_gate = swiglu_jit.backward(h, gate, grad, elementwise=elementwise, chunk=chunk)
+        assert act.shape == (rows, width) and grad_h.shape == h.shape and grad_gate.shape == gate.shape
+        assert grad_h.is_contiguous() and grad_h.dtype == dtype == grad_gate.dtype == act.dtype
+        if rows == 0:
+            continue
+        want = reference(h.cpu(), gate.cpu(), grad.cpu())
+        for name, got, ref in zip(("act", "grad h", "grad gate"), (act, grad_h, grad_gate), want):
+            err = relative_error(got.cpu(), ref)
+            assert err < tol, f"{rows}x{width} {dtype} {name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("chunk", [swiglu_jit._CHUNK, 50])  # 50: blocks of 1 to 6 rows, the last one short
+def test_jit_views_with_torch_stand_ins_match_fp64_eager(chunk):
+    check_jit("cpu", torch.float64, 1e-5, swiglu_jit.torch_elementwise, chunk)  # the stand-ins compute in fp32
+
+
+def test_jit_backward_without_the_gate_gradient_skips_it():
+    h, grad = torch.randn(4, 16), torch.randn(4, 8)
+    grad_h, grad_gate = swiglu_jit.backward(h, torch.rand(4), grad, gate_grad=False,
+                                            elementwise=swiglu_jit.torch_elementwise)
+    assert grad_gate is None and grad_h.shape == h.shape
+
+
+def test_jit_autograd_function_saves_h_and_the_gate_and_matches_eager(monkeypatch):
+    monkeypatch.setattr(swiglu_jit, "_launch", swiglu_jit.torch_elementwise)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(9, 20, generator=gen, dtype=torch.float64).requires_grad_()
+    gate = torch.rand(9, generator=gen, dtype=torch.float64).requires_grad_()
+    grad = torch.randn(9, 10, generator=gen, dtype=torch.float64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        act = swiglu_jit.JitSwiGLU.apply(h, gate)
+    assert saved == [h.shape, gate.shape]  # not the eager ops' two [rows, F] products
+    act.backward(grad)
+    want = reference(h.detach(), gate.detach(), grad)
+    for got, ref in zip((act.detach(), h.grad, gate.grad), want):
+        assert relative_error(got, ref) < 1e-5
+
+
+def test_jit_probe_says_no_with_why_where_the_kernels_fail_or_differ(monkeypatch):
+    monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match=r"jiterator SwiGLU fails \(.*\) on cpu .*the eager torch ops run instead"):
+        assert not swiglu_jit.works(cpu, torch.float32)  # jiterator itself refuses CPU tensors
+    assert not swiglu_jit.works(cpu, torch.float32)      # asked once: no second warning (pytest would fail on none)
+
+    def off_by_a_bit(name, *tensors):
+        out = swiglu_jit.torch_elementwise(name, *tensors)
+        return (*out[:2], out[2] * 1.1) if name == "backward" else out
+    monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
+    monkeypatch.setattr(swiglu_jit, "_launch", off_by_a_bit)
+    with pytest.warns(UserWarning, match="differs from its torch stand-in in its gate gradient"):
+        assert not swiglu_jit.works(cpu, torch.float32)
+    monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
+    monkeypatch.setattr(swiglu_jit, "_launch", swiglu_jit.torch_elementwise)
+    assert swiglu_jit.works(cpu, torch.float32)
+
+
+def test_implementation_is_eager_on_the_cpu_and_without_gradients_and_names_a_bad_setting():
+    from minagi.swiglu import implementation
+    h = torch.randn(3, 8, requires_grad=True)
+    assert implementation(h, "auto") == implementation(h, "jiterator") == "eager"
+    with pytest.raises(ValueError, match="swiglu kernels must be one of auto, jiterator, eager; got 'fast'"):
+        implementation(h, "fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_jit_kernels_match_fp64_eager_on_cuda(dtype, tol):
+    check_jit("cuda", dtype, tol)
+    check_jit("cuda", dtype, tol, chunk=50)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swiglu_jiterator_setting_runs_the_jit_function_and_matches_eager():
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 50, 2 * 40, generator=gen).cuda().requires_grad_()
+    gate = torch.rand(3, 50, generator=gen).cuda().requires_grad_()
+    grad = torch.randn(3, 50, 40, generator=gen).cuda()
+    act = swiglu(h, gate, "jiterator")
+    nodes = [act.grad_fn] + [f for f, _ in act.grad_fn.next_functions if f is not None]
+    assert any("JitSwiGLU" in type(f).__name__ for f in nodes), [type(f).__name__ for f in nodes]
+    act.backward(grad)
+    want = reference(h.detach().cpu(), gate.detach().cpu(), grad.cpu())
+    for got, ref in zip((act.detach(), h.grad, gate.grad), want):
+        assert relative_error(got.cpu(), ref) < 1e-5

@@ -469,6 +469,7 @@ def test_the_compile_warning_is_for_pooled_models_on_the_cpu_only():
 
 def test_minagi_swiglu_sets_pool_swiglu():
     assert train_py.environment_overrides({"MINAGI_SWIGLU": "eager"}) == ["pool.swiglu=eager"]
+    assert train_py.environment_overrides({"MINAGI_SWIGLU": "jiterator"}) == ["pool.swiglu=jiterator"]
     assert train_py.environment_overrides({}) == []
 
 
@@ -487,7 +488,7 @@ def test_minagi_swiglu_bad_value_is_a_one_line_error():
     done = subprocess.run([sys.executable, "train.py", "--set", "train.steps=1"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "MINAGI_SWIGLU": "fast"}, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: environment variable MINAGI_SWIGLU: must be 'auto' or 'eager'; got 'fast'"
+    assert done.stderr.strip() == "error: environment variable MINAGI_SWIGLU: must be 'auto', 'jiterator' or 'eager'; got 'fast'"
 
 
 def test_train_py_exit_codes_for_resume_misuse_nan_and_ctrl_c(tmp_path, data_path, monkeypatch, capsys):

@@ -25,6 +25,7 @@ from minagi.config import PoolConfig
 from minagi.dense import dense_swiglu
 from minagi.dispatch import PATHS, native_supported, resolve_dispatch
 from minagi.pool import PooledMLP
+from minagi.swiglu import implementation
 
 SKEWS = ("uniform", "hot", "sink94", "collapse")
 
@@ -115,13 +116,24 @@ def matmul_step(rows: int, width: int, expert_width: int, device, dtype):
     return step
 
 
-def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int) -> float | None:
+# The SwiGLU's reads and writes per computed row, in elements of width F, counted from each
+# implementation's kernels (forward + backward; the gate's [rows] ignored):
+#   triton     forward reads h (2F), writes act (F); backward reads h and grad, writes grad h   3 + 5
+#   jiterator  forward as triton; backward's kernel reads h and grad, writes grad a, grad b and the
+#              gate terms; the cat reads and writes grad h; the sum reads the terms          3 + 11
+#   eager      silu, x up, x gate (7); backward: grad x gate, the gate terms and their sum, x up,
+#              x silu, silu's backward, the two halves into grad h (19)                        7 + 19
+SWIGLU_ELEMENTS = {"triton": 8, "jiterator": 14, "eager": 26}
+
+
+def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int, swiglu: str = "triton") -> float | None:
     """Bytes of device memory a forward + backward of the experts reads and writes per routed row,
     counted from the shapes (`elem` bytes an element): the weights — the card read by the forward and
     by the input gradient, its gradient written; a gathered expert copied in forward and again in
     backward and its gradient added back (read, read, write) — and the activations of each computed
-    row (the input gathered in, h [2F] written, the SwiGLU reading h and writing [F], the output [D]
-    written and summed out; backward about twice the forward's traffic). None for the loop reference."""
+    row (the input gathered in, h [2F] written, the down GEMM reading [F], the output [D] written and
+    summed out: backward about twice the forward's traffic; the SwiGLU as `SWIGLU_ELEMENTS` counts
+    for the implementation `swiglu` that ran). None for the loop reference."""
     from minagi.dispatch import Layout, layered_layout
     E, card_bytes = len(load), len(load) * 3 * D * F * elem
     routed = sum(load)
@@ -134,7 +146,7 @@ def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int) 
         gathered = sum(len(m) for _, m in layout.groups)
         rows = layout.padded_rows
         weights = (3 * card_bytes if layout.card else 0) + gathered * (card_bytes // E) * 7
-    activations = 3 * rows * (2 * D + 2 * F + 3 * F + F + D + D) * elem  # fwd once, bwd ~twice
+    activations = rows * (3 * (2 * D + 2 * F + F + D + D) + SWIGLU_ELEMENTS[swiglu] * F) * elem
     return (weights + activations) / routed
 
 
@@ -179,8 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024, help="D = F")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", default="bench_dispatch.json")
-    ap.add_argument("--swiglu", choices=["auto", "eager"], default="auto",
-                    help="the SwiGLU on CUDA: auto = minagi's Triton kernels where Triton is present")
+    ap.add_argument("--swiglu", choices=["auto", "jiterator", "eager"], default="auto",
+                    help="pool.swiglu: auto = minagi's Triton kernels where Triton is present; jiterator = "
+                         "torch's run-time compiled kernels (a GPU without Triton); eager = torch ops")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top kernels for each path at the largest --chars, first skew")
     args = ap.parse_args(argv)
@@ -190,6 +203,7 @@ def main(argv=None) -> int:
     D = Fw = args.width
     E, K = args.experts, args.top_k
     default_path = resolve_dispatch("auto", device, dtype)
+    swiglu_ran = implementation(torch.empty(1, 2, device=device, dtype=dtype, requires_grad=True), args.swiglu)
     paths = [p for p in args.paths if p != "native" or native_supported(device, dtype)]
     torch.manual_seed(0)
     pool = PooledMLP(D, PoolConfig(n_experts=E, top_k=K, d_expert=Fw, swiglu=args.swiglu)).to(device=device, dtype=dtype)
@@ -197,7 +211,7 @@ def main(argv=None) -> int:
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "experts": E, "top_k": K, "width": D,
-        "default_path": default_path, "repeat": args.repeat, "swiglu": args.swiglu,
+        "default_path": default_path, "repeat": args.repeat, "swiglu": args.swiglu, "swiglu_ran": swiglu_ran,
     }
     results = []
     for n_chars in args.chars:
@@ -224,7 +238,7 @@ def main(argv=None) -> int:
                     "peak_bytes": peak, "dense_peak_bytes": dense_peak,
                     "peak_vs_dense": peak / dense_peak if dense_peak else None,
                     "max_over_fair": load.max().item() / (rows / E), "default": path == default_path,
-                    "bytes_per_routed_row": bytes_per_routed_row(path, load.tolist(), D, Fw, x.element_size()),
+                    "bytes_per_routed_row": bytes_per_routed_row(path, load.tolist(), D, Fw, x.element_size(), swiglu_ran),
                 }
                 results.append(row)
                 print(f"  {n_chars:>6} {skew:<9} {path:<10} {ms:8.3f} ms ({b2b:.3f} back to back)", file=sys.stderr,
@@ -237,7 +251,7 @@ def main(argv=None) -> int:
         profile_paths(pool, paths, max(args.chars), args.skews[0], E, K, D, device, dtype)
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"# {meta['device']}, torch {meta['torch']}, {meta['dtype']}, E={E} K={K} D=F={D}, "
-          f"default path: {default_path}, median of {args.repeat}")
+          f"default path: {default_path}, SwiGLU: {swiglu_ran}, median of {args.repeat}")
     print("ms: synced per call; b2b: calls back to back (the dense MLP and matmuls timed the same way)")
     print("| chars | skew | path | ms | ms b2b | routed TFLOP/s | vs dense MLP | vs dense b2b | vs matmuls | "
           "padded/routed | peak MiB | peak vs dense | max/fair | KiB moved / routed row |")

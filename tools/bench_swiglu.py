@@ -1,4 +1,4 @@
-"""Benchmark the gated SwiGLU's implementations side by side (CUDA): eager ops, torch.compile, Triton.
+"""Benchmark the gated SwiGLU's implementations side by side (CUDA): eager ops, torch.compile, Triton, jiterator.
 
 Forward + backward of the SwiGLU alone on [R, 2F], and of one PooledMLP (native and grouped paths)
 with each implementation swapped in, beside a dense SwiGLU MLP of the same routed FLOPs. Timed
@@ -33,7 +33,12 @@ def swiglu_compiled(h, gate):
     return _compiled(h_flat, gate_flat).view(*lead, -1)
 
 
-IMPLEMENTATIONS = {"eager": swiglu.swiglu_eager, "compiled": swiglu_compiled, "triton": swiglu.swiglu}
+def swiglu_jiterator(h, gate):
+    return swiglu.swiglu(h, gate, "jiterator")
+
+
+IMPLEMENTATIONS = {"eager": swiglu.swiglu_eager, "compiled": swiglu_compiled, "triton": swiglu.swiglu,
+                   "jiterator": swiglu_jiterator}
 
 
 def main(argv=None) -> int:
@@ -66,7 +71,7 @@ def main(argv=None) -> int:
 
     def pool(path, fn):
         def step():
-            dispatch.swiglu = lambda h, g, fused=True: fn(h, g)  # the paths look it up in dispatch's namespace
+            dispatch.swiglu = lambda h, g, kernels="auto": fn(h, g)  # the paths look it up in dispatch's namespace
             plan = dispatch.make_plan(ids, E, 0)
             y = dispatch.RUNNERS[path](x, gates, gate_up, down, plan, {})
             torch.autograd.grad(y, (x, gate_up, down, gates), grad_out)
