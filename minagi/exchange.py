@@ -103,7 +103,7 @@ class ExpertExchange:
         gate_up, down = pool.experts.weights(dtype)
         stats: dict = {}
         y_MD = RUNNERS[path](got_MD1[:, :-1], got_MD1[:, -1:], gate_up, down, local, stats,
-                             fused=pool.cfg.swiglu == "auto", layout=layout)
+                             kernels=pool.cfg.swiglu, layout=layout)
         if not splits.local_M.numel():
             # No rows arrived (a sink elsewhere): the output still depends on the exchange and the stack,
             # so this rank's backward runs the exchange's (a collective: every rank must) and gives its
