@@ -11,6 +11,7 @@ optimizer is `optim.build_optimizer`'s (train.optimizer_states), the compute dty
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -80,7 +81,13 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
-                        compiled_regions=tc.compile == "rows", log=log, dtype=dtype, exchange=layout.exchange)
+                        compiled_regions=tc.compile_mode if tc.compile == "rows" else None, log=log, dtype=dtype,
+                        exchange=layout.exchange)
+    if tc.compile == "rows" and tc.compile_mode == "reduce-overhead":
+        # Each row's graphs are replayed while the rows before it still await their backward, which
+        # keeps cudagraph trees off their fast path and makes them say so once; expected here, and the
+        # replays are still the gain (docs/benchmarks.md section 22).
+        warnings.filterwarnings("ignore", message="Unable to hit fast path of CUDAGraphs")
     forward, wrapped = parallel.wrap(model, layout, device)  # FSDP shards the parameters: before the optimizer
     optimizer = build_optimizer(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                 betas=(tc.beta1, tc.beta2), states=tc.optimizer_states, device=device, seed=tc.seed)

@@ -316,7 +316,10 @@ class TrainConfig(_Section):
     # "rows": each row's attention, norms and router (and the dense twin's MLP), the expert dispatch
     # eager (the bucketed path, whose shapes change every step); false: eager.
     compile: bool | Literal["rows"] = False
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"  # torch.compile's
+    # torch.compile's mode, for the whole step (true) and for the rows' compiled regions ("rows");
+    # "reduce-overhead" replays the compiled graphs as CUDA graphs (GPU only): far fewer launches where
+    # the host sets the step's pace (docs/benchmarks.md section 22).
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
     # Autocast's dtype: auto = bf16 where the device has it natively, else fp32; fp16 scales the loss
     # (torch's GradScaler) and skips a step whose gradients overflow.
@@ -346,11 +349,26 @@ class TrainConfig(_Section):
         _require(not (self.checkpoint_rows and self.compile is True), "train.checkpoint_rows", self.checkpoint_rows,
                  "a whole-step compile (train.compile = true) does not recompute rows: the replay's memo is not "
                  "traced; use train.compile = \"rows\" or false with row checkpointing", ("train.compile",))
+        self._validate_graphed_rows()
         _require(self.out_dir != "", "train.out_dir", self.out_dir,
                  "must name a folder (e.g. \"runs\")")
         _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),
                  "train.run_name", self.run_name,
                  "must be a plain folder name inside out_dir (no / or \\)")
+
+
+    def _validate_graphed_rows(self) -> None:
+        """The rows' compiled regions as CUDA graphs (compile "rows", compile_mode "reduce-overhead") run
+        one forward and its backward at a time: not a checkpointed row's recompute, nor micro-batches
+        (on the H200, torch 2.11, a replay's routing was overwritten by the next micro-batch's)."""
+        if self.compile != "rows" or self.compile_mode != "reduce-overhead":
+            return
+        for key, on, why in (("checkpoint_rows", self.checkpoint_rows, "are not replayed inside a checkpointed row's recompute"),
+                             ("accum_steps", self.accum_steps > 1, "are not run with gradient accumulation")):
+            value = str(getattr(self, key)).lower()  # as TOML writes it
+            _require(not on, "train.compile_mode", self.compile_mode, f"the rows' CUDA graphs {why}; use "
+                     f"train.compile_mode = \"default\" with train.{key} = {value}",
+                     ("train.compile", f"train.{key}"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -83,13 +83,32 @@ class DispatchPlan:
     capacity: int            # 0 = uncapped
     n_chars: int
     top_k: int
+    position_R: Tensor | None = None  # each sorted row's place among its expert's rows (None: not made)
 
     @property
     def kept_counts_E(self) -> Tensor:
         return self.counts_E if self.capacity == 0 else self.counts_E.clamp(max=self.capacity)
 
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """The plan's tensors, in the order `from_tensors` takes them (what a compiled function returns)."""
+        return (self.order_R, self.inverse_R, self.token_R, self.expert_R, self.counts_E, self.starts_E, self.ends_E,
+                self.kept_R, self.position_R)
 
-def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0) -> DispatchPlan:
+    @classmethod
+    def from_tensors(cls, tensors, capacity: int, n_chars: int, top_k: int) -> "DispatchPlan":
+        *fields, position_R = tensors
+        return cls(*fields, capacity=capacity, n_chars=n_chars, top_k=top_k, position_R=position_R)
+
+    def positions(self) -> Tensor:
+        """Each sorted row's place among its expert's rows [R] (made here if the plan has none)."""
+        if self.position_R is not None:
+            return self.position_R
+        return torch.arange(self.expert_R.shape[0], device=self.expert_R.device) - self.starts_E[self.expert_R]
+
+
+def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, positions: bool = False) -> DispatchPlan:
+    """The plan of one call. `positions`: make each sorted row's place among its expert's rows too
+    (the padded paths' slots need it; made here when the plan is compiled with the router)."""
     n_chars, top_k = expert_ids_NK.shape
     flat_R = expert_ids_NK.reshape(-1)
     expert_R, order_R = torch.sort(flat_R, stable=True)  # stable: earlier characters win capacity
@@ -98,12 +117,13 @@ def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0) -> Dispa
     starts_E, ends_E, counts_E = bounds_E1[:-1], bounds_E1[1:], bounds_E1.diff()
     inverse_R = torch.empty_like(order_R)
     inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-    kept_R = None
-    if capacity > 0:
+    kept_R = position_R = None
+    if capacity > 0 or positions:
         position_R = torch.arange(flat_R.numel(), device=flat_R.device) - starts_E[expert_R]
-        kept_R = position_R < capacity
+        kept_R = position_R < capacity if capacity > 0 else None
     return DispatchPlan(order_R=order_R, inverse_R=inverse_R, token_R=order_R // top_k, expert_R=expert_R, counts_E=counts_E,
-                        starts_E=starts_E, ends_E=ends_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k)
+                        starts_E=starts_E, ends_E=ends_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k,
+                        position_R=position_R)
 
 
 def _take(x: Tensor, index: Tensor, masked: bool) -> Tensor:
@@ -274,12 +294,23 @@ def round_capacity(n: int) -> int:
 
 
 def _round_capacities(n: np.ndarray) -> np.ndarray:
-    """`round_capacity` of each element of an int array."""
+    """`round_capacity` of each element of an int array (a look-up in `_capacity_table`)."""
     n = np.asarray(n, dtype=np.int64)
-    bits = np.where(n > 1, np.ceil(np.log2(np.maximum(n, 1))), 0).astype(np.int64)  # 2^(bits-1) < n <= 2^bits
-    step = np.left_shift(1, np.maximum(bits - 4, 0))
-    rounded = np.where(n <= 16, np.left_shift(1, bits), -(-n // step) * step)
-    return np.where(n > 0, rounded, 0)
+    return _capacity_table(int(n.max()) if n.size else 0)[np.maximum(n, 0)]
+
+
+_TABLE = np.zeros(1, dtype=np.int64)  # round_capacity(i) at i, grown by doubling (the layout runs every call)
+
+
+def _capacity_table(largest: int) -> np.ndarray:
+    """round_capacity of 0..largest (at least), made once for each doubling of the largest load seen."""
+    global _TABLE
+    if largest >= len(_TABLE):
+        n = np.arange(max(2 * len(_TABLE), largest + 1), dtype=np.int64)
+        bits = np.where(n > 1, np.ceil(np.log2(np.maximum(n, 1))), 0).astype(np.int64)  # 2^(bits-1) < n <= 2^bits
+        step = np.left_shift(1, np.maximum(bits - 4, 0))
+        _TABLE = np.where(n > 0, np.where(n <= 16, np.left_shift(1, bits), -(-n // step) * step), 0)
+    return _TABLE
 
 
 @dataclass(frozen=True)
@@ -315,7 +346,9 @@ def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group
     overflow_M = _round_capacities(over_ME).sum(1) + group_rows * np.minimum(n_M, MAX_GROUPS)
     m = int(np.argmin(E * cards + overflow_M + (gather_rows or 0) * n_M))
     card = int(cards[m])
-    order = sorted((e for e in range(E) if kept[e] > card), key=lambda e: -(kept[e] - card))
+    over_E = loads - card
+    order = np.flatnonzero(over_E > 0)
+    order = order[np.argsort(-over_E[order], kind="stable")].tolist()  # largest overflow first, ties by expert
     groups = _split_overflow([kept[e] - card for e in order], group_rows)
     return Layout(tuple(kept), card, tuple((round_capacity(kept[order[lo]] - card), tuple(sorted(order[lo:hi])))
                                            for lo, hi in groups))
@@ -326,15 +359,17 @@ def _split_overflow(over: list[int], group_rows: int, most: int = MAX_GROUPS) ->
     rounded overflow: split greedily where a split saves more padded rows than a group costs."""
     if not over:
         return []
-    caps = [round_capacity(o) for o in over]
+    caps = _round_capacities(np.asarray(over))
     groups = [(0, len(over))]
     while len(groups) < most:
         best = (group_rows, None)  # a split must save more than one group's cost
         for i, (lo, hi) in enumerate(groups):
-            for k in range(lo + 1, hi):
-                saved = (hi - k) * (caps[lo] - caps[k])
-                if saved > best[0]:
-                    best = (saved, (i, k))
+            if hi - lo < 2:
+                continue
+            saved = (hi - np.arange(lo + 1, hi)) * (caps[lo] - caps[lo + 1:hi])  # split before each k
+            k = int(np.argmax(saved))  # the first of the largest, as a scan in order would keep
+            if saved[k] > best[0]:
+                best = (int(saved[k]), (i, lo + 1 + k))
         if best[1] is None:
             break
         i, k = best[1]
@@ -356,44 +391,37 @@ def host_layout(path: str, plan: DispatchPlan, gather_rows: int | None = GATHER_
     return layered_layout(kept, gather_rows)
 
 
-def _segments(layout: Layout) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """Host lists of the padded buffer's segments (one per expert of a layer) — expert, first row within
-    the expert, rows it holds, capacity — and each expert's overflow segment's start in the buffer."""
-    E, card = len(layout.kept), layout.card
-    expert = list(range(E)) if card else []
-    first, valid, cap = [0] * len(expert), [min(n, card) for n in layout.kept] if card else [], [card] * len(expert)
-    overflow_start, start = [0] * E, E * card
+def _overflow_starts(layout: Layout) -> tuple[list[int], list[int]]:
+    """Host lists: where each expert's overflow rows start in the padded buffer (0 for an expert with
+    none), and the overflow groups' experts in order (the weights the groups gather)."""
+    starts, grouped, start = [0] * len(layout.kept), [], len(layout.kept) * layout.card
     for capacity, members in layout.groups:
         for e in members:
-            expert.append(e)
-            first.append(card)
-            valid.append(layout.kept[e] - card)
-            cap.append(capacity)
-            overflow_start[e] = start
-            start += capacity
-    return expert, first, valid, cap, overflow_start
+            starts[e], start = start, start + capacity
+            grouped.append(e)
+    return starts, grouped
 
 
-def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(src_P: the sorted row each padded slot reads, valid_P: whether it holds one, dest_R: the slot
-    of each sorted routed row, -1 when dropped by capacity, experts_G: the overflow groups' experts in
-    order). No host sync: the layout is on the host, and goes to the device in one copy."""
-    expert, first, valid, cap, overflow_start = _segments(layout)
-    grouped = [e for _, m in layout.groups for e in m]
-    n_seg, E, P = len(expert), len(layout.kept), layout.padded_rows
-    expert_S, first_S, valid_S, cap_S, over_E, experts_G = host_to_device(
-        expert + first + valid + cap + overflow_start + grouped, device).split([n_seg] * 4 + [E, len(grouped)])
-    pad_start_S = cap_S.cumsum(0) - cap_S
-    seg_P = torch.repeat_interleave(torch.arange(n_seg, device=device), cap_S, output_size=P)
-    slot_pos_P = torch.arange(P, device=device) - pad_start_S[seg_P]
-    valid_P = slot_pos_P < valid_S[seg_P]
-    src_P = torch.where(valid_P, plan.starts_E[expert_S][seg_P] + first_S[seg_P] + slot_pos_P, 0)
-    position_R = torch.arange(plan.expert_R.shape[0], device=device) - plan.starts_E[plan.expert_R]
-    dest_R = torch.where(position_R < layout.card, plan.expert_R * layout.card + position_R,
-                         over_E[plan.expert_R] + position_R - layout.card)
+def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(slot_flat: the padded slot of each routed row [N*K] in character order, -1 when dropped by
+    capacity; row_P: the flat routed row (n*K + k) each padded slot holds [P], -1 for padding;
+    experts_G: the overflow groups' experts in order). A routed row at position p among its expert e's
+    rows sits at e*card + p in the card layer, or at e's overflow start + p - card. No host sync: the
+    layout is on the host, and its per-expert table goes to the device in one copy."""
+    overflow_start, grouped = _overflow_starts(layout)
+    E, card = len(layout.kept), layout.card
+    base_2E, experts_G = host_to_device([e * card for e in range(E)] + [s - card for s in overflow_start] + grouped,
+                                        device).split([2 * E, len(grouped)])
+    position_R = plan.positions()
+    overflows_R = position_R >= card
+    dest_R = position_R + base_2E.index_select(0, plan.expert_R + overflows_R * E)
     if plan.kept_R is not None:
         dest_R = torch.where(plan.kept_R, dest_R, -1)
-    return src_P, valid_P, dest_R, experts_G
+    slot_flat = dest_R.index_select(0, plan.inverse_R)
+    # Each slot's routed row: scattered from the kept rows (dropped ones go to a last, spare slot).
+    row_P = torch.full((layout.padded_rows + 1,), -1, dtype=torch.long, device=device)
+    row_P.index_copy_(0, torch.where(dest_R < 0, layout.padded_rows, dest_R), plan.order_R)
+    return slot_flat, row_P[:-1], experts_G
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
@@ -408,15 +436,14 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
     if sum(layout.kept) == 0:  # every row dropped or no rows at all
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
-    src_P, valid_P, dest_R, experts_G = _slots(plan, layout, x_ND.device)
+    slot_flat, row_P, experts_G = _slots(plan, layout, x_ND.device)
     dropped = plan.kept_R is not None
-    slot_flat = dest_R.index_select(0, plan.inverse_R)      # [N*K] in character order
-    token_P = plan.token_R.index_select(0, src_P)            # the character each slot reads
+    token_or_none_P = row_P.div(plan.top_k, rounding_mode="floor")  # padding: -1 (gets no gradient)
     padding = P > sum(layout.kept)
-    token_or_none_P = torch.where(valid_P, token_P, -1) if padding else token_P  # padding gets no gradient
-
-    x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
-    gate_P = gather_rows(gates_NK.reshape(-1), plan.order_R.index_select(0, src_P), slot_flat, inverse_masked=dropped)
+    x_PD = _DispatchRows.apply(x_ND, token_or_none_P.clamp(min=0) if padding else token_or_none_P, slot_flat,
+                               plan.top_k, dropped)
+    gate_P = gather_rows(gates_NK.reshape(-1), row_P.clamp(min=0) if padding else row_P, slot_flat,
+                         inverse_masked=dropped)
     layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))
     h_PF2 = layered_bmm(x_PD, gate_up, layers, experts_G)
     y_PD = layered_bmm(swiglu(h_PF2, gate_P, kernels), down, layers, experts_G)

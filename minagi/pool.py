@@ -26,10 +26,10 @@ from torch import Tensor
 from . import decode_step, recompute
 from .config import PoolConfig
 from .dense import DenseMLP
-from .dispatch import RUNNERS, host_layout, make_plan
+from .dispatch import RUNNERS, DispatchPlan, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import BalanceArgs, MLPAux, RouteCounts, compute_dtype
-from .router import Router, balance_loss, routed_counts, sequence_balance_loss, z_loss
+from .router import Router, Routing, balance_loss, routed_counts, sequence_balance_loss, z_loss
 
 __all__ = ["PooledMLP"]
 
@@ -49,10 +49,15 @@ class PooledMLP(nn.Module):
     (`shared`): two GEMMs instead of 2S smaller ones, as DeepSeek-V3's and torchtitan's shared experts
     are one MLP of S times the expert width. Always trainable (never frozen, quantized or offloaded),
     never routed, dropped or counted; decayed by `train.weight_decay` as the dense weights are.
+
+    `compiled_route` (train.compile = "rows"): in training calls the router, its aux terms and the
+    dispatch plan, whose shapes never change, run through torch.compile in that mode
+    (train.compile_mode; `_route`); the experts stay eager, their shapes following the routing.
     """
 
     def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
-                 count_reducer: Callable[[Tensor], Tensor] | None = None, exchange=None):
+                 count_reducer: Callable[[Tensor], Tensor] | None = None, exchange=None,
+                 compiled_route: str | None = None):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
@@ -65,6 +70,8 @@ class PooledMLP(nn.Module):
         self.router = router
         self.shared = self._shared_experts(d_model)
         self.reset_parameters()
+        self._compiled_route = (torch.compile(self._route_and_plan, dynamic=False, mode=compiled_route)
+                                if compiled_route else None)
 
     def _shared_experts(self, d_model: int) -> DenseMLP | None:
         """The always-on experts as one SwiGLU of width shared_experts x d_expert; None without them
@@ -94,15 +101,36 @@ class PooledMLP(nn.Module):
         must not depend on which others share the call). `in_place`: offloaded frozen stacks read the
         experts this call multiplies from their pinned homes instead of staging the row (writing).
         `balance`: what the balance term's scope needs (`balance_term`)."""
-        routing = self.router(x_ND)
+        routing, plan, aux = self._route(x_ND, dropless, balance)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
         y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
-                                            in_place=in_place)
+                                            in_place=in_place, plan=plan)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)[0]
-        return y_ND, MLPAux(self.aux_loss(routing, balance), counts)
+        return y_ND, MLPAux(aux if aux is not None else self.aux_loss(routing, balance), counts)
+
+    def _route(self, x_ND: Tensor, dropless: bool, balance: BalanceArgs) -> tuple[Routing, DispatchPlan | None, Tensor | None]:
+        """(routing, its dispatch plan, the aux loss); plan and aux None where the caller makes them.
+        Compiled in training calls of a row that is not checkpointed (a replay must take the forward's
+        choice from the row's memo) and whose experts are all here; the aux loss compiled with it when
+        no count crosses ranks (DDP sums the balance counts: a collective stays out of the graph)."""
+        compiled = (self._compiled_route is not None and torch.is_grad_enabled() and self.exchange is None
+                    and recompute.active_memo() is None)
+        if not compiled:
+            return self.router(x_ND), None, None
+        with_aux = self.count_reducer is None
+        capacity = self.capacity(x_ND.shape[0], dropless)
+        routing, plan, aux = self._compiled_route(x_ND, capacity, balance if with_aux else None)
+        return Routing(*routing), DispatchPlan.from_tensors(plan, capacity, x_ND.shape[0], self.cfg.top_k), aux
+
+    def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None):
+        """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None)."""
+        routing = self.router(x_ND)
+        plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in ("grouped", "rectangle"))
+        aux = self.aux_loss(routing, balance) if balance is not None else None
+        return tuple(routing), plan.tensors(), aux
 
     def decoder(self, options: decode_step.StepOptions):
         """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""
@@ -135,14 +163,16 @@ class PooledMLP(nn.Module):
         return counts_E if self.count_reducer is None else self.count_reducer(counts_E)
 
     def experts_forward(self, x_ND: Tensor, expert_ids_NK: Tensor, gates_NK: Tensor, path: str | None = None,
-                        dropless: bool = False, in_place: bool = False) -> tuple[Tensor, RouteCounts]:
+                        dropless: bool = False, in_place: bool = False, plan: DispatchPlan | None = None
+                        ) -> tuple[Tensor, RouteCounts]:
         """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D].
-        `path`: another dispatch path than the built one (tests and benchmarks compare them)."""
+        `path`: another dispatch path than the built one (tests and benchmarks compare them). `plan`:
+        the routing's dispatch plan, when the caller made it (the compiled route)."""
         path = path or self.path
         if self.exchange is not None:  # the rows run where their experts are, and come back
             return self.exchange.experts_forward(self, x_ND, expert_ids_NK, gates_NK, path)
         dtype = compute_dtype(x_ND)
-        plan = make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0], dropless))
+        plan = plan or make_plan(expert_ids_NK, self.cfg.n_experts, self.capacity(x_ND.shape[0], dropless))
         # The host sync of a padded path, once per forward: a checkpoint replay takes the forward's layout.
         layout = recompute.remember((self, "layout"), lambda: host_layout(path, plan, self.experts.gather_rows))
         gate_up, down = self.experts.weights(dtype, in_place=in_place)
@@ -151,3 +181,4 @@ class PooledMLP(nn.Module):
                              kernels=self.cfg.swiglu, layout=layout)
         dropped = (plan.counts_E - plan.capacity).clamp(min=0).sum() if plan.capacity > 0 else None
         return y_ND.to(x_ND.dtype), RouteCounts(plan.counts_E, dropped, plan.n_chars, stats["padded_rows"], path)
+

@@ -202,6 +202,17 @@ def test_impossible_values_are_rejected_naming_the_key(tmp_path, section, key, v
     assert f"foo.toml: {section}.{key} = " in msg and "is impossible" in msg and why in msg
 
 
+@pytest.mark.parametrize("setting, why", [("checkpoint_rows = true", "checkpointed row's recompute"),
+                                          ("accum_steps = 2", "gradient accumulation")])
+def test_cuda_graphs_of_rows_are_refused_with_checkpointed_rows_or_micro_batches(tmp_path, setting, why):
+    toml = '[train]\ncompile = "rows"\ncompile_mode = "reduce-overhead"\n'
+    msg = error_of(load_config, str(write(tmp_path, toml + setting + "\n")))
+    assert 'foo.toml: train.compile_mode = "reduce-overhead" is impossible: the rows\' CUDA graphs' in msg
+    assert why in msg and "\n" not in msg and 'compile_mode = "default"' in msg
+    assert load_config(str(write(tmp_path, toml))).train.compile_mode == "reduce-overhead"
+    assert load_config(str(write(tmp_path, toml.replace('"reduce-overhead"', '"default"') + setting + "\n")))
+
+
 def test_invalid_toml_names_the_file_and_line(tmp_path):
     msg = error_of(load_config, str(write(tmp_path, "[model]\nn_rows = = 2\n")))
     assert "foo.toml: invalid TOML: " in msg

@@ -186,7 +186,7 @@ def measure(cfg, profile: str, compile_on: str, args, device: torch.device, rate
            "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
            "vocab": vocab, "busiest_expert": busiest_expert(last["stats"]), "bytes_per_weight": persistent,
-           "optimizer_states": tc.optimizer_states, "precision": tc.precision}
+           "optimizer_states": tc.optimizer_states, "precision": tc.precision, "compile_mode": tc.compile_mode}
     sites = host_syncs(one)  # one step more, after the timed ones
     out["syncs_per_step"] = len(sites)
     if args.sync_trace:
@@ -195,6 +195,7 @@ def measure(cfg, profile: str, compile_on: str, args, device: torch.device, rate
         out["mfu"] = mfu(flops_per_char(cfg, vocab), out["chars_per_s"], rate)
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         if args.trace:
             out["gpu_ms_by_kind"], out["top_kernels"] = kernel_time_by_kind(one, device)
             out["timeline"] = gpu_timeline(one, device)
@@ -244,15 +245,18 @@ def main(argv=None) -> int:
             print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print("| profile | compile | char/s | step ms | GFLOP/char | MFU | syncs/step | recompiles | peak GiB | busiest expert |")
+    print("| profile | compile | char/s | step ms | GFLOP/char | MFU | syncs/step | recompiles | peak GiB "
+          "(allocated / reserved) | busiest expert |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['profile']} | {r['compile']} | {r['error']} |")
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-        peak = f"{r['peak_allocated_gib']:.1f}" if "peak_allocated_gib" in r else "-"
-        print(f"| {r['profile']}{' (fsdp)' if r['parallel'] == 'fsdp' else ''} | {r['compile']} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
+        peak = f"{r['peak_allocated_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if "peak_allocated_gib" in r else "-"
+        mode = "" if r["compile"] == "off" or r.get("compile_mode", "default") == "default" else f" ({r['compile_mode']})"
+        name = r["profile"] + (" (fsdp)" if r["parallel"] == "fsdp" else "")
+        print(f"| {name} | {r['compile']}{mode} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
               f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
               f"{'-' if r['busiest_expert'] is None else format(r['busiest_expert'], '.2f') + 'x'} |")
     for r in results:

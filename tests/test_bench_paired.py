@@ -1,0 +1,35 @@
+"""tools/bench_paired.py times variants of one profile in one process, their steps alternating."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import bench_paired  # noqa: E402
+
+TINY = ["model.n_rows=1", "model.d_model=32", "model.n_heads=2", "model.context=16", "pool.n_experts=4",
+        "pool.top_k=2", "pool.d_expert=32", "train.batch_size=4"]
+
+
+def test_each_variant_gets_a_block_every_round_and_is_paired_against_the_first(tmp_path, capsys, monkeypatch):
+    order = []
+    run = bench_paired.Variant.run
+    monkeypatch.setattr(bench_paired.Variant, "run", lambda self, steps: (order.append((self.name, steps)),
+                                                                          run(self, steps))[1])
+    out = tmp_path / "paired.json"
+    args = ["--device", "cpu", "--profile", "cpu_tiny", "--rounds", "3", "--block", "2", "--warmup", "1",
+            "--json", str(out), "--variant", "", "--variant", "pool.dispatch=loop train.batch_size=2"]
+    assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
+    first, second = json.loads(out.read_text())["results"]
+    assert first["variant"] == "(as the profile)" and first["paired_speed"] == 1.0
+    assert second["variant"] == "pool.dispatch=loop train.batch_size=2" and len(second["times_ms"]) == 3
+    # the warm-ups, then rounds whose order rotates: a slow spell of the host falls on both
+    assert order == [("(as the profile)", 1), (second["variant"], 1), ("(as the profile)", 2), (second["variant"], 2),
+                     (second["variant"], 2), ("(as the profile)", 2), ("(as the profile)", 2), (second["variant"], 2)]
+    assert second["chars_per_s"] == 2 * 16 / second["median_step_ms"] * 1e3  # its own batch of 2 x 16
+    assert "| pool.dispatch=loop train.batch_size=2 |" in capsys.readouterr().out
+
+
+def test_a_bad_setting_is_one_line_and_exit_2(capsys):
+    assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--variant", "train.compile=sometimes"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_paired: ") and "train.compile" in err and err.count("\n") == 1
