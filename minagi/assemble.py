@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import devices, distributed, parallel
 from .checkpoint import Checkpoint, restore_rng_state
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_cuda_graphs
 from .mlp import precision_dtype
 from .model import CharLM, build_model
 from .offload import OffloadStager
@@ -74,6 +74,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     the training forward. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
     devices.check_compiler(tc.compile, device)
+    check_cuda_graphs(tc)
     dtype = precision_dtype(tc.precision, device)
     layout = parallel.Layout(cfg, world_size, device)  # the meshes and the experts' exchange, if any
     torch.manual_seed(tc.seed)
@@ -87,7 +88,8 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         # Each row's graphs are replayed while the rows before it still await their backward, which
         # keeps cudagraph trees off their fast path and makes them say so once; expected here, and the
         # replays are still the gain (docs/benchmarks.md section 22).
-        warnings.filterwarnings("ignore", message="Unable to hit fast path of CUDAGraphs")
+        warnings.filterwarnings("ignore", message="Unable to hit fast path of CUDAGraphs",
+                                module="torch._inductor.cudagraph_trees")
     forward, wrapped = parallel.wrap(model, layout, device)  # FSDP shards the parameters: before the optimizer
     optimizer = build_optimizer(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                 betas=(tc.beta1, tc.beta2), states=tc.optimizer_states, device=device, seed=tc.seed)

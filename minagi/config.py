@@ -349,7 +349,6 @@ class TrainConfig(_Section):
         _require(not (self.checkpoint_rows and self.compile is True), "train.checkpoint_rows", self.checkpoint_rows,
                  "a whole-step compile (train.compile = true) does not recompute rows: the replay's memo is not "
                  "traced; use train.compile = \"rows\" or false with row checkpointing", ("train.compile",))
-        self._validate_graphed_rows()
         _require(self.out_dir != "", "train.out_dir", self.out_dir,
                  "must name a folder (e.g. \"runs\")")
         _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),
@@ -357,18 +356,23 @@ class TrainConfig(_Section):
                  "must be a plain folder name inside out_dir (no / or \\)")
 
 
-    def _validate_graphed_rows(self) -> None:
-        """The rows' compiled regions as CUDA graphs (compile "rows", compile_mode "reduce-overhead") run
-        one forward and its backward at a time: not a checkpointed row's recompute, nor micro-batches
-        (on the H200, torch 2.11, a replay's routing was overwritten by the next micro-batch's)."""
-        if self.compile != "rows" or self.compile_mode != "reduce-overhead":
-            return
-        for key, on, why in (("checkpoint_rows", self.checkpoint_rows, "are not replayed inside a checkpointed row's recompute"),
-                             ("accum_steps", self.accum_steps > 1, "are not run with gradient accumulation")):
-            value = str(getattr(self, key)).lower()  # as TOML writes it
-            _require(not on, "train.compile_mode", self.compile_mode, f"the rows' CUDA graphs {why}; use "
-                     f"train.compile_mode = \"default\" with train.{key} = {value}",
-                     ("train.compile", f"train.{key}"))
+def check_cuda_graphs(train: TrainConfig) -> None:
+    """CUDA graphs of a compiled step (train.compile_mode = "reduce-overhead") replay one forward and its
+    backward at a time. Refused in one line when a run is built, not when a stored config is read, so a
+    run folder saved before this check still loads, writes and resumes (with another compile_mode):
+      - gradient accumulation: a backward graph's output becomes a parameter's .grad, and the next
+        micro-batch's replay overwrites it (torch issue 169545: an error, on some versions a wrong sum);
+      - row checkpointing under "rows": a recompute would call a forward graph inside backward."""
+    if train.compile is False or train.compile_mode != "reduce-overhead":
+        return
+    rules = [("accum_steps", train.accum_steps > 1, "a micro-batch's gradients, outputs of a graph, are overwritten "
+              "by the next micro-batch's replay (torch issue 169545)")]
+    if train.compile == "rows":
+        rules.append(("checkpoint_rows", train.checkpoint_rows, "a checkpointed row's recompute cannot replay them"))
+    for key, on, why in rules:
+        value = str(getattr(train, key)).lower()  # as TOML writes it
+        _require(not on, "train.compile_mode", train.compile_mode, f"with CUDA graphs {why}; use "
+                 f"train.compile_mode = \"default\" with train.{key} = {value}", ("train.compile", f"train.{key}"))
 
 
 @dataclass(frozen=True, kw_only=True)

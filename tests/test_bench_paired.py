@@ -19,7 +19,9 @@ def test_each_variant_gets_a_block_every_round_and_is_paired_against_the_first(t
     args = ["--device", "cpu", "--profile", "cpu_tiny", "--rounds", "3", "--block", "2", "--warmup", "1",
             "--json", str(out), "--variant", "", "--variant", "pool.dispatch=loop train.batch_size=2"]
     assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
-    first, second = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    first, second = report["results"]
+    assert report["meta"]["recompiles_in_rounds"] == 0
     assert first["variant"] == "(as the profile)" and first["paired_speed"] == 1.0
     assert second["variant"] == "pool.dispatch=loop train.batch_size=2" and len(second["times_ms"]) == 3
     # the warm-ups, then rounds whose order rotates: a slow spell of the host falls on both
@@ -33,3 +35,14 @@ def test_a_bad_setting_is_one_line_and_exit_2(capsys):
     assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--variant", "train.compile=sometimes"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_paired: ") and "train.compile" in err and err.count("\n") == 1
+
+
+def test_graphs_compiled_during_the_rounds_are_reported(capsys):
+    import torch
+    torch._dynamo.reset()
+    args = ["--device", "cpu", "--profile", "cpu_tiny", "--rounds", "1", "--block", "1", "--warmup", "0",
+            "--variant", "train.compile=rows"]
+    assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
+    torch._dynamo.reset()
+    err = capsys.readouterr().err
+    assert err.startswith("bench_paired: 2 graph(s) compiled during the timed rounds") and err.count("\n") == 1

@@ -92,26 +92,46 @@ def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(m
     assert code == 2 and len(err) == 1 and "Triton" in err[0] and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("sets", [["pool.dispatch=grouped"], ["model.mlp=dense"]], ids=["pooled", "dense"])
-def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(sets):
+def test_train_py_refuses_cuda_graphs_with_micro_batches_before_the_run_folder_is_made(tmp_path, capsys):
+    from minagi import train as train_py
+    code = train_py.main(["--profile", "cpu_tiny", "--set", "train.compile=rows", "--set",
+                          "train.compile_mode=reduce-overhead", "--set", "train.accum_steps=2",
+                          "--set", f"train.out_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "169545" in err[0] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("sets", [["pool.dispatch=grouped"], ["model.mlp=dense"],
+                                  ["pool.dispatch=grouped", "pool.capacity_factor=1.0", "model.dropout=0.0"],
+                                  ["pool.dispatch=grouped", "pool.balance_scope=sequence", "pool.z_loss_coef=0.001"],
+                                  ["pool.dispatch=rectangle", "pool.aux_free_bias=true"]],
+                         ids=["pooled", "dense", "capacity", "sequence-scope-z-loss", "rectangle-aux-free"])
+def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(sets, monkeypatch):
     """The attention half, and the router with its aux terms and dispatch plan (or the dense MLP)."""
+    from minagi import pool
+    eager_plans = []
+    make_plan = pool.make_plan
+    monkeypatch.setattr(pool, "make_plan", lambda *a, **k: (eager_plans.append(1) if not torch.compiler.is_compiling()
+                                                            else None, make_plan(*a, **k))[1])
     torch._dynamo.reset()
     eager = losses(sets, "cpu", steps=4)
+    pooled = sets != ["model.mlp=dense"]
+    assert len(eager_plans) == 2 * 4 * pooled  # the counter sees eager plans: two rows, four steps
     cfg = load_config(None, TINY + ["train.device=cpu", "train.compile=rows", *sets])
     training = build_training(cfg, 13, torch.device("cpu"), 1)
     assert all(row._compiled_half is not None for row in training.model.rows) and training.forward is training.model
-    pooled = sets != ["model.mlp=dense"]
     assert all((getattr(row.mlp, "_compiled_route", None) is not None) == pooled for row in training.model.rows)
     assert not any("_orig_mod" in k for k in training.model.state_dict())  # checkpoints as eager ones
     from torch._dynamo.utils import counters
     counters.clear()
     first = losses(sets + ["train.compile=rows"], "cpu", steps=1)
     frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    eager_plans.clear()
     compiled = losses(sets + ["train.compile=rows"], "cpu", steps=4)  # a new model: the same code, routing changing
     assert counters["frames"]["total"] == frames and counters["stats"]["unique_graphs"] == graphs  # no recompile
     # Two graphs whatever the rows: the attention half, and the router with its plan (pooled) or the
-    # dense MLP; none broken.
-    assert graphs == 2 and not counters["graph_break"]
+    # dense MLP; none broken; every plan made in the compiled route.
+    assert graphs == 2 and not counters["graph_break"] and not eager_plans
     torch._dynamo.reset()
     assert first == compiled[:1] and compiled == pytest.approx(eager, rel=1e-4)
 

@@ -202,15 +202,21 @@ def test_impossible_values_are_rejected_naming_the_key(tmp_path, section, key, v
     assert f"foo.toml: {section}.{key} = " in msg and "is impossible" in msg and why in msg
 
 
-@pytest.mark.parametrize("setting, why", [("checkpoint_rows = true", "checkpointed row's recompute"),
-                                          ("accum_steps = 2", "gradient accumulation")])
-def test_cuda_graphs_of_rows_are_refused_with_checkpointed_rows_or_micro_batches(tmp_path, setting, why):
-    toml = '[train]\ncompile = "rows"\ncompile_mode = "reduce-overhead"\n'
-    msg = error_of(load_config, str(write(tmp_path, toml + setting + "\n")))
-    assert 'foo.toml: train.compile_mode = "reduce-overhead" is impossible: the rows\' CUDA graphs' in msg
-    assert why in msg and "\n" not in msg and 'compile_mode = "default"' in msg
-    assert load_config(str(write(tmp_path, toml))).train.compile_mode == "reduce-overhead"
-    assert load_config(str(write(tmp_path, toml.replace('"reduce-overhead"', '"default"') + setting + "\n")))
+@pytest.mark.parametrize("compile_, setting, why", [
+    ('"rows"', "checkpoint_rows = true", "recompute cannot replay them"),
+    ('"rows"', "accum_steps = 2", "overwritten by the next micro-batch's replay"),
+    ("true", "accum_steps = 2", "overwritten by the next micro-batch's replay")])
+def test_cuda_graphs_are_refused_when_a_run_is_built_but_a_stored_config_with_them_loads(tmp_path, compile_, setting,
+                                                                                         why):
+    from minagi.config import check_cuda_graphs
+    toml = f'[train]\ncompile = {compile_}\ncompile_mode = "reduce-overhead"\n{setting}\n'
+    cfg = load_config(str(write(tmp_path, toml)))  # a run folder saved with it still loads (sample.py, --resume)
+    assert config_from_dict(dataclasses.asdict(cfg)).train == cfg.train
+    msg = error_of(check_cuda_graphs, cfg.train)
+    assert msg.startswith('train.compile_mode = "reduce-overhead" is impossible: with CUDA graphs') and why in msg
+    assert "\n" not in msg and 'use train.compile_mode = "default" with train.' + setting.replace(" = ", " = ") in msg
+    check_cuda_graphs(load_config(str(write(tmp_path, toml.replace('"reduce-overhead"', '"default"')))).train)
+    check_cuda_graphs(load_config(str(write(tmp_path, toml.replace(setting, "")))).train)
 
 
 def test_invalid_toml_names_the_file_and_line(tmp_path):

@@ -71,6 +71,44 @@ def test_capacities_round_to_powers_of_two_then_eight_steps_a_power_of_two():
     assert _round_capacities(n).tolist() == [round_capacity(int(v)) for v in n]
 
 
+def reference_layout(kept, gather_rows, group_rows):
+    """`layered_layout`'s rule written plainly, one candidate and one split at a time: (card, groups)."""
+    E = len(kept)
+    cards = sorted({0} | ({round_capacity(n) for n in kept if n > 0} if gather_rows is not None else set()))
+
+    def cost(card):
+        over = [n - card for n in kept if n > card]
+        return (E * card + sum(round_capacity(o) for o in over) + group_rows * min(len(over), MAX_GROUPS)
+                + (gather_rows or 0) * len(over))
+    card = min(cards, key=cost)  # the smallest card of the least cost
+    order = sorted((e for e in range(E) if kept[e] > card), key=lambda e: -(kept[e] - card))  # ties by expert
+    caps = [round_capacity(kept[e] - card) for e in order]
+    groups = [(0, len(order))] if order else []
+    while 0 < len(groups) < MAX_GROUPS:
+        best, split = group_rows, None  # a split must save more padded rows than a group costs
+        for i, (lo, hi) in enumerate(groups):
+            for k in range(lo + 1, hi):  # the first split of the most saved rows
+                if (hi - k) * (caps[lo] - caps[k]) > best:
+                    best, split = (hi - k) * (caps[lo] - caps[k]), (i, k)
+        if split is None:
+            break
+        i, k = split
+        groups[i:i + 1] = [(groups[i][0], k), (k, groups[i][1])]
+    return card, tuple((caps[lo], tuple(sorted(order[lo:hi]))) for lo, hi in groups)
+
+
+def test_the_layout_is_the_plainly_written_rule_on_random_loads_with_ties():
+    g = torch.Generator().manual_seed(7)
+    for case in range(1500):
+        E = [1, 2, 8, 16, 64, 128][case % 6]
+        values = torch.tensor([0, 1, 5, 16, 17, 100, 129, 500, 1000, 1024, 15000])
+        kept = (values[torch.randint(0, len(values), (E,), generator=g)] if case % 2 else
+                torch.randint(0, 3000, (E,), generator=g) * (torch.rand(E, generator=g) < 0.8)).tolist()
+        for gather_rows, group_rows in ((256, 512), (None, 512), (0, 0), (16, 64)):
+            layout = layered_layout(kept, gather_rows, group_rows)
+            assert (layout.card, layout.groups) == reference_layout(kept, gather_rows, group_rows), (kept, gather_rows)
+
+
 def test_the_layout_keeps_a_sink_out_of_the_card_and_everything_in_it_when_loads_are_even():
     sink = layered_layout([900, 1010, 950, 15523] + [980] * 124)
     assert sink.card == 1024 and sink.groups == ((round_capacity(15523 - 1024), (3,)),)

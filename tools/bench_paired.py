@@ -55,9 +55,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(variants: list[Variant], rounds: int, block: int, warmup: int) -> None:
+def measure(variants: list[Variant], rounds: int, block: int, warmup: int) -> int:
+    """Warm every variant up, then time the rounds; the graphs torch.compile made during the rounds (a
+    recompile: a variant may then have run eagerly, past dynamo's limit)."""
+    from torch._dynamo.utils import counters
     for v in variants:
         v.run(warmup)
+    graphs = counters["stats"]["unique_graphs"]
     device = variants[0].device
     for i in range(rounds):
         for v in variants[i % len(variants):] + variants[:i % len(variants)]:
@@ -66,6 +70,7 @@ def measure(variants: list[Variant], rounds: int, block: int, warmup: int) -> No
             v.run(block)
             synchronize(device)
             v.times.append((time.perf_counter() - start) / block * 1e3)
+    return counters["stats"]["unique_graphs"] - graphs
 
 
 def summary(variants: list[Variant]) -> list[dict]:
@@ -102,10 +107,13 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "profile": args.profile, "sets": args.sets, "rounds": args.rounds, "block": args.block}
     print(json.dumps(meta), flush=True)
-    measure(variants, args.rounds, args.block, args.warmup)
+    meta["recompiles_in_rounds"] = measure(variants, args.rounds, args.block, args.warmup)
     results = summary(variants)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if meta["recompiles_in_rounds"]:
+        print(f"bench_paired: {meta['recompiles_in_rounds']} graph(s) compiled during the timed rounds: a variant "
+              "recompiled (more --warmup, or fewer variants that compile)", file=sys.stderr)
     print(f"| {args.profile} variant | char/s (median) | step ms: median (range) | paired speed vs the first |")
     print("|---|---|---|---|")
     for r in results:
