@@ -30,6 +30,7 @@ from .mm import GROUPED_MM, Layers, Weight, group_bmm, grouped_mm, layered_bmm
 from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "rectangle", "loop")
+PADDED = ("grouped", "rectangle")  # the paths that run a host-made layout (`host_layout`)
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -101,9 +102,12 @@ class DispatchPlan:
 
     def positions(self) -> Tensor:
         """Each sorted row's place among its expert's rows [R] (made here if the plan has none)."""
-        if self.position_R is not None:
-            return self.position_R
-        return torch.arange(self.expert_R.shape[0], device=self.expert_R.device) - self.starts_E[self.expert_R]
+        return self.position_R if self.position_R is not None else _positions(self.expert_R, self.starts_E)
+
+
+def _positions(expert_R: Tensor, starts_E: Tensor) -> Tensor:
+    """Each sorted row's place among its expert's rows: its sorted position minus its expert's first."""
+    return torch.arange(expert_R.shape[0], device=expert_R.device) - starts_E[expert_R]
 
 
 def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, positions: bool = False) -> DispatchPlan:
@@ -119,7 +123,7 @@ def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, position
     inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
     kept_R = position_R = None
     if capacity > 0 or positions:
-        position_R = torch.arange(flat_R.numel(), device=flat_R.device) - starts_E[expert_R]
+        position_R = _positions(expert_R, starts_E)
         kept_R = position_R < capacity if capacity > 0 else None
     return DispatchPlan(order_R=order_R, inverse_R=inverse_R, token_R=order_R // top_k, expert_R=expert_R, counts_E=counts_E,
                         starts_E=starts_E, ends_E=ends_E, kept_R=kept_R, capacity=capacity, n_chars=n_chars, top_k=top_k,
@@ -383,7 +387,7 @@ def host_layout(path: str, plan: DispatchPlan, gather_rows: int | None = GATHER_
     busiest one's load): the call's one host sync, as the bmm shapes must be known to launch them.
     None for the paths that need none (native: offsets stay on the device; loop: its own).
     `gather_rows`: what taking an expert out of the stack costs (the stack's own figure)."""
-    if path not in ("grouped", "rectangle"):
+    if path not in PADDED:
         return None
     kept = plan.kept_counts_E.tolist()
     if path == "rectangle":

@@ -26,7 +26,7 @@ from torch import Tensor
 from . import decode_step, recompute
 from .config import PoolConfig
 from .dense import DenseMLP
-from .dispatch import RUNNERS, DispatchPlan, host_layout, make_plan
+from .dispatch import PADDED, RUNNERS, DispatchPlan, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import BalanceArgs, MLPAux, RouteCounts, compute_dtype
 from .router import Router, Routing, balance_loss, routed_counts, sequence_balance_loss, z_loss
@@ -128,7 +128,7 @@ class PooledMLP(nn.Module):
     def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None):
         """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None)."""
         routing = self.router(x_ND)
-        plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in ("grouped", "rectangle"))
+        plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in PADDED)
         aux = self.aux_loss(routing, balance) if balance is not None else None
         return tuple(routing), plan.tensors(), aux
 
