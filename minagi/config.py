@@ -228,7 +228,7 @@ class PoolConfig(_Section):
     # sample.py refuses them (and sigmoid scores) until the decode step has them.
     shared_experts: int = 0
     capacity_factor: float = 0.0  # 0 = uncapped (dropless)
-    dispatch: Literal["auto", "grouped", "native", "rectangle", "loop"] = "auto"
+    dispatch: Literal["auto", "grouped", "native", "triton", "rectangle", "loop"] = "auto"
     balance_coef: float = 0.01  # Switch E*sum f_i P_i
     z_loss_coef: float = 0.0
     aux_free_bias: bool = False  # DeepSeek-V3 selection bias

@@ -3,6 +3,8 @@
 Every path computes the same function; they differ only in how rows are padded:
   loop      — one expert at a time, no padding. The readable reference.
   native    — torch's grouped GEMM on the packed rows, no padding, offsets stay on the device.
+  triton    — the same packed rows through minagi's own Triton grouped GEMM (minagi/grouped_triton.py):
+              GPUs with Triton where torch's grouped GEMM is not fast (below sm90 it loops on the host).
   grouped   — a card layer: every expert at one capacity C, the whole stack multiplied at once (no
               weight gather); and overflow groups for the rows past C of busier experts (a sink),
               their weights gathered. C is chosen per call, on the host, to cost least in padded rows
@@ -29,7 +31,7 @@ from . import probe
 from .mm import GROUPED_MM, Layers, Weight, group_bmm, grouped_mm, layered_bmm
 from .swiglu import swiglu, swiglu_eager
 
-PATHS = ("grouped", "native", "rectangle", "loop")
+PATHS = ("grouped", "native", "triton", "rectangle", "loop")
 PADDED = ("grouped", "rectangle")  # the paths that run a host-made layout (`host_layout`)
 
 
@@ -47,25 +49,49 @@ def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu"
 
 
+def triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `auto` may take minagi's Triton grouped GEMM: an NVIDIA GPU of sm80 or newer (bf16 in
+    Triton's dot), bf16 or fp16 compute, Triton here, and the probe passed (exact, no host sync)."""
+    return (_triton_runs(device, dtype) and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 0) and probe.triton_grouped_mm_works(device, dtype))
+
+
+def _triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _has_triton()
+
+
+def _has_triton() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str:
     """Turn the configured dispatch choice into a concrete path, once, when the model is built.
 
-    `auto` takes native grouped GEMM where it is fast (CUDA, bf16, the probe passed: `native_supported`)
-    and the bucketed bmm path everywhere else (a GPU the probe refused, CPU). An explicit `native`
-    that cannot run is an error.
+    `auto` on CUDA takes torch's grouped GEMM where it is fast (bf16, the probe passed:
+    `native_supported`), else minagi's Triton grouped GEMM where it runs (`triton_supported`), else
+    the bucketed bmm path; the CPU takes the bucketed path. An explicit `native` that cannot run is
+    an error.
     `native` in another dtype than bf16 on CUDA, or under torch.compile, takes the bucketed path:
     the CUDA kernel and the meta kernel compile traces with are bf16-only (torch 2.13: fp32 fails to
-    trace though it runs eagerly on the CPU).
+    trace though it runs eagerly on the CPU). `triton` off a CUDA GPU, in fp32, or without Triton
+    takes the bucketed path too (the same function; a checkpoint trained with it loads anywhere).
     """
     device = torch.device(device)
     if choice == "auto":
-        return "native" if device.type == "cuda" and native_supported(device, dtype) else "grouped"
+        if device.type != "cuda":
+            return "grouped"
+        if native_supported(device, dtype):
+            return "native"
+        return "triton" if triton_supported(device, dtype) else "grouped"
     if choice not in PATHS:
         raise ValueError(f"dispatch must be one of auto, {', '.join(PATHS)}; got {choice!r}")
     if choice == "native" and GROUPED_MM is None:
         raise ValueError(f"dispatch = 'native' needs torch.nn.functional.grouped_mm or torch._grouped_mm; "
                          f"torch {torch.__version__} has neither (use 'grouped')")
     if choice == "native" and dtype != torch.bfloat16 and (device.type == "cuda" or compiled):
+        return "grouped"
+    if choice == "triton" and not _triton_runs(device, dtype):
         return "grouped"
     return choice
 
@@ -269,11 +295,23 @@ def run_loop(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan
 def run_native(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
                stats: dict, kernels: str = "auto", layout: "Layout | None" = None) -> Tensor:
     """torch's grouped GEMM on the packed rows: no padding and no host sync."""
+    return _run_packed(x_ND, gates_NK, gate_up, down, plan, stats, kernels, gemm=None)
+
+
+def run_triton(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
+               stats: dict, kernels: str = "auto", layout: "Layout | None" = None) -> Tensor:
+    """minagi's Triton grouped GEMM on the packed rows (minagi/grouped_triton.py): no padding, no host sync."""
+    from .grouped_triton import grouped_mm as gemm  # imports Triton: only runs that take this path pay for it
+    return _run_packed(x_ND, gates_NK, gate_up, down, plan, stats, kernels, gemm=gemm)
+
+
+def _run_packed(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
+                stats: dict, kernels: str, gemm) -> Tensor:
     x_RD, gate_R = dispatch(x_ND, plan), sorted_gates(gates_NK, plan)
     offs_E = plan.ends_E.to(torch.int32)
-    h_RF2 = grouped_mm(x_RD, gate_up, offs_E)
+    h_RF2 = grouped_mm(x_RD, gate_up, offs_E, gemm)
     stats["padded_rows"] = x_RD.shape[0]  # dropped rows are computed, with gate zero
-    return combine(grouped_mm(swiglu(h_RF2, gate_R, kernels), down, offs_E), plan)
+    return combine(grouped_mm(swiglu(h_RF2, gate_R, kernels), down, offs_E, gemm), plan)
 
 
 # ---------------------------------------------------------------- the padded paths' layout
@@ -466,4 +504,5 @@ def run_rectangle(x_ND, gates_NK, gate_up, down, plan, stats, kernels: str = "au
     return run_padded(x_ND, gates_NK, gate_up, down, plan, layout, stats, kernels)
 
 
-RUNNERS = {"loop": run_loop, "native": run_native, "grouped": run_grouped, "rectangle": run_rectangle}
+RUNNERS = {"loop": run_loop, "native": run_native, "triton": run_triton, "grouped": run_grouped,
+           "rectangle": run_rectangle}

@@ -46,15 +46,22 @@ class RebuiltWeight(NamedTuple):
 Weight = Union[Tensor, RebuiltWeight]
 
 
-def grouped_mm(x_RI: Tensor, weight: Weight, offs_E: Tensor) -> Tensor:
-    """Rows of expert e (offs_E[e-1]:offs_E[e]) times expert e's weight, packed: [R, I] -> [R, O]."""
+def grouped_mm(x_RI: Tensor, weight: Weight, offs_E: Tensor, gemm: Callable | None = None) -> Tensor:
+    """Rows of expert e (offs_E[e-1]:offs_E[e]) times expert e's weight, packed: [R, I] -> [R, O].
+    `gemm(x_RI, w_EIO, offs_E)`: the grouped GEMM that multiplies (None: torch's, GROUPED_MM; the
+    "triton" path passes minagi's own, minagi/grouped_triton.py)."""
+    gemm = gemm or _torch_grouped_mm
     if isinstance(weight, Tensor):
-        return GROUPED_MM(x_RI, weight, offs=offs_E)
-    y_RO = _RebuiltGroupedMM.apply(x_RI, offs_E, weight)
+        return gemm(x_RI, weight, offs_E)
+    y_RO = _RebuiltGroupedMM.apply(x_RI, offs_E, weight, gemm)
     if weight.lora is None:
         return y_RO
     a_EIr, b_ErO = weight.lora
-    return y_RO + weight.scale * GROUPED_MM(GROUPED_MM(x_RI, a_EIr, offs=offs_E), b_ErO, offs=offs_E)
+    return y_RO + weight.scale * gemm(gemm(x_RI, a_EIr, offs_E), b_ErO, offs_E)
+
+
+def _torch_grouped_mm(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    return GROUPED_MM(x_RI, w_EIO, offs=offs_E)
 
 
 def group_bmm(x_groups: list[Tensor], weight: Weight, experts_G: Tensor, sizes: list[int],
@@ -228,17 +235,17 @@ class _RebuiltGroupedMM(torch.autograd.Function):
     """y = grouped_mm(x, W): [R, I] -> [R, O] for packed rows of E experts (offsets offs_E)."""
 
     @staticmethod
-    def forward(ctx, x_RI: Tensor, offs_E: Tensor, weight: RebuiltWeight) -> Tensor:
+    def forward(ctx, x_RI: Tensor, offs_E: Tensor, weight: RebuiltWeight, gemm: Callable) -> Tensor:
         w_EIO, memo = _make(weight, None, together=False)
         ctx.save_for_backward(offs_E)
-        ctx.weight, ctx.memo = weight, memo
-        return GROUPED_MM(x_RI, w_EIO, offs=offs_E)
+        ctx.weight, ctx.memo, ctx.gemm = weight, memo, gemm
+        return gemm(x_RI, w_EIO, offs_E)
 
     @staticmethod
     def backward(ctx, grad_RO: Tensor):
         (offs_E,) = ctx.saved_tensors
         w_EIO = _for_backward(ctx.weight, None, ctx.memo)
-        return GROUPED_MM(grad_RO.contiguous(), w_EIO.transpose(1, 2), offs=offs_E), None, None
+        return ctx.gemm(grad_RO.contiguous(), w_EIO.transpose(1, 2), offs_E), None, None, None
 
 
 class _RebuiltGroupBmm(torch.autograd.Function):

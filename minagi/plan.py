@@ -61,7 +61,7 @@ class Target:
 TARGETS = {
     "sm90": Target("sm90", True, True, True, True, True,
                    "NVIDIA sm90+ (H100/H200): native grouped GEMM, Triton kernels"),
-    "sm80": Target("sm80", True, True, False, True, True, "NVIDIA sm80-89 (A100, RTX 30/40): bucketed grouped path"),
+    "sm80": Target("sm80", True, True, False, True, True, "NVIDIA sm80-89 (A100, RTX 30/40): minagi's Triton grouped GEMM"),
     "sm75": Target("sm75", True, False, False, False, True, "NVIDIA sm70-75 (V100, RTX 20): no bf16 (fp32, or fp16)"),
     "rocm": Target("rocm", True, True, False, False, True,
                    "AMD under ROCm (Radeon 8060S): bucketed path, eager kernels"),
@@ -127,10 +127,13 @@ def _resolve(cfg: Config, target: Target, world_size: int, vocab_size: int) -> _
     precision = tc.precision if tc.precision != "auto" else ("bf16" if target.bf16 else "fp32")
     c = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
     path = p.dispatch
+    triton = target.gpu and target.kernels and c == 2  # minagi's Triton grouped GEMM runs (bf16/fp16)
     if path == "auto":
-        path = "native" if target.native and precision == "bf16" else "grouped"
+        path = "native" if target.native and precision == "bf16" else ("triton" if triton else "grouped")
     elif path == "native" and target.gpu and (precision != "bf16" or not target.native):
         path = "grouped"  # resolve_dispatch: the CUDA kernel is bf16-only; elsewhere it loops with syncs
+    elif path == "triton" and not triton:
+        path = "grouped"
     N = tc.batch_size // world_size * m.context
     pad = _padding(path, p.n_experts, p.top_k, N, p.sink_ratio, frozen=x.frozen) if m.mlp == "pooled" else 1.0
     return _Shape(L=m.n_rows, D=m.d_model, H=m.n_heads, T=m.context, V=vocab_size, N=N, E=p.n_experts, K=p.top_k,
@@ -152,7 +155,7 @@ def _eager_swiglu(setting: str, target: Target, c: int) -> bool:
 
 def _padding(path: str, n_experts: int, top_k: int, n_chars: int, sink_ratio: float, frozen: bool) -> float:
     """Padded / routed rows of `path` with one expert at `sink_ratio` x its fair share, the rest even."""
-    if path in ("native", "loop"):
+    if path in ("native", "triton", "loop"):
         return 1.0
     routed = n_chars * top_k
     fair = routed / n_experts
@@ -547,7 +550,7 @@ def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[s
              f"activations a row: {_gib(per_row)} without row checkpointing, {_gib(row_saved(s, True)['input'])} with "
              f"({per_row / s.N:,.0f} and {4 * s.D} bytes a character; checkpointed, one row at a time is replayed "
              f"in full); weight copies a row: {_gib(weight_copies(s))}"]
-    if s.pooled and s.path != "native":
+    if s.pooled and s.path not in ("native", "triton"):
         notes.append(f"dispatch {s.path}: padded / routed rows {s.pad:.2f} with one expert at pool.sink_ratio = "
                      f"{cfg.pool.sink_ratio:g} x its fair share")
     if any(st.pinned):

@@ -14,7 +14,9 @@ and asks three things:
   syncs                device it loops over the groups on the host, correct but slow
 
 The answer is kept for the process, per device and torch version. A "no" is one warning line, and
-dispatch `auto` takes the bucketed path ("grouped").
+dispatch `auto` takes minagi's own Triton grouped GEMM ("triton") where it runs, else the bucketed
+path ("grouped"). `triton_grouped_mm_works` asks the same three things of minagi's kernel
+(minagi/grouped_triton.py) before `auto` takes it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from . import devices, mm
 
-__all__ = ["Answer", "grouped_mm_works"]
+__all__ = ["Answer", "grouped_mm_works", "triton_grouped_mm_works"]
 
 _COUNTS = (3, 0, 5, 8)  # routed rows per expert: one expert empty, as routing leaves some
 _WIDTH = 16             # input and output width: a multiple of 8 bf16 (the 16 bytes CUTLASS aligns to)
@@ -44,22 +46,41 @@ _ANSWERS: dict[tuple, Answer] = {}
 def grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether torch's grouped GEMM runs on `device` in `dtype`, exactly and (CUDA) without a host sync.
     Probed once per device, torch version and dtype in a process; a "no" warns once, saying why."""
+    return _ask(device, dtype, "torch", "torch's grouped GEMM", "dispatch \"auto\" takes minagi's Triton "
+                  "grouped GEMM where it runs, else the bucketed path; pool.dispatch = \"triton\" or \"grouped\" "
+                  "chooses one without this probe")
+
+
+def triton_grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The same question of minagi's Triton grouped GEMM (minagi/grouped_triton.py)."""
+    return _ask(device, dtype, "triton", "minagi's Triton grouped GEMM", "the experts take the bucketed path "
+                  "(dispatch \"grouped\"); pool.dispatch = \"grouped\" chooses it without this probe")
+
+
+def _ask(device: torch.device | str, dtype: torch.dtype, kernel: str, name: str, instead: str) -> bool:
     device = torch.device(device)
-    key = (_device_key(device), torch.__version__, str(dtype))
+    key = (_device_key(device), torch.__version__, str(dtype), kernel)
     answer = _ANSWERS.get(key)
     if answer is None:
-        answer = _ANSWERS[key] = probe(device, dtype)
+        answer = _ANSWERS[key] = probe(device, dtype, kernel)
         if not answer.works:
-            warnings.warn(f"torch's grouped GEMM {answer.why} on {_device_name(device)} (torch {torch.__version__}, "
-                          f"{str(dtype).removeprefix('torch.')}): the experts take the bucketed path (dispatch "
-                          "\"grouped\"); pool.dispatch = \"grouped\" chooses it without this probe", stacklevel=2)
+            warnings.warn(f"{name} {answer.why} on {_device_name(device)} (torch {torch.__version__}, "
+                          f"{str(dtype).removeprefix('torch.')}): {instead}", stacklevel=3)
     return answer.works
 
 
-def probe(device: torch.device, dtype: torch.dtype) -> Answer:
-    """Run the probe (uncached): the grouped GEMM's output and gradients against the loop's."""
-    if mm.GROUPED_MM is None:
+def probe(device: torch.device, dtype: torch.dtype, kernel: str = "torch") -> Answer:
+    """Run the probe (uncached): the grouped GEMM's output and gradients against the loop's.
+    `kernel`: "torch" (torch's, mm.GROUPED_MM) or "triton" (minagi's)."""
+    if kernel == "triton":
+        try:
+            from .grouped_triton import grouped_mm as gemm
+        except Exception as e:  # noqa: BLE001 - no Triton, or one that cannot build the kernels: the answer
+            return Answer(False, f"cannot load ({type(e).__name__}: {str(e).strip()[:200]})")
+    elif mm.GROUPED_MM is None:
         return Answer(False, "is missing (this torch has neither F.grouped_mm nor torch._grouped_mm)")
+    else:
+        gemm = None  # mm.grouped_mm's default: torch's
     gen = torch.Generator().manual_seed(0)
     rows, experts = sum(_COUNTS), len(_COUNTS)
     x_RI, w_EIO, grad_RO = (torch.randint(-2, 3, shape, generator=gen).float()
@@ -67,7 +88,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> Answer:
     offs_E = torch.tensor(_COUNTS).cumsum(0).to(torch.int32)
     want = _loop_reference(x_RI, w_EIO, grad_RO, offs_E)
     try:
-        got, syncs = _run(x_RI, w_EIO, grad_RO, offs_E, device, dtype)
+        got, syncs = _run(x_RI, w_EIO, grad_RO, offs_E, device, dtype, gemm)
     except Exception as e:  # noqa: BLE001 - any failure of the kernel is the answer, and said in the warning
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return Answer(False, f"fails ({detail[:200]})")
@@ -76,20 +97,20 @@ def probe(device: torch.device, dtype: torch.dtype) -> Answer:
             return Answer(False, f"differs from a loop of matmuls in its {name} (by up to "
                                  f"{float((a - b).abs().max()):g} on exact small integers)")
     if syncs:
-        return Answer(False, f"makes {len(syncs)} host sync(s) a call here (torch loops over the groups "
-                             f"on the host: correct but slow)")
+        return Answer(False, f"makes {len(syncs)} host sync(s) a call here (a loop over the groups on the "
+                             f"host: correct but slow)")
     return Answer(True)
 
 
 def _run(x_RI: Tensor, w_EIO: Tensor, grad_RO: Tensor, offs_E: Tensor, device: torch.device,
-         dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor, Tensor], list[str]]:
+         dtype: torch.dtype, gemm=None) -> tuple[tuple[Tensor, Tensor, Tensor], list[str]]:
     """(output, input gradient, weight gradient) as fp32 CPU tensors, and the host syncs of the call."""
     x, w = (t.to(device, dtype).requires_grad_() for t in (x_RI, w_EIO))
     grad, offs = grad_RO.to(device, dtype), offs_E.to(device)  # copied before the sync check
     out = {}
 
     def call() -> None:
-        y = mm.grouped_mm(x, w, offs)
+        y = mm.grouped_mm(x, w, offs, gemm)
         y.backward(grad)
         out["y"] = y.detach()
     # Built anywhere (inference mode, no_grad, autocast): the probe runs the training call.

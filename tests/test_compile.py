@@ -156,3 +156,14 @@ def test_rows_with_cuda_graphs_compute_what_the_eager_step_does_and_compile_once
     assert counters["frames"]["total"] == frames and counters["stats"]["unique_graphs"] == made == 2
     assert counters["inductor"]["cudagraph_skips"] == 0  # every graph replayed as a CUDA graph, none run plainly
     assert first == pytest.approx(compiled[:1], rel=1e-3) and compiled == pytest.approx(eager, rel=2e-2)
+
+
+@pytest.mark.parametrize("sets, said", [([], True), (["model.mlp=dense"], False), (["train.compile=rows"], False)],
+                         ids=["bucketed", "dense", "rows"])
+def test_a_whole_step_compile_around_the_bucketed_path_is_said_once_at_start(sets, said):
+    cfg = load_config(None, TINY + ["train.device=cpu", "train.compile=true", *sets])
+    lines = []
+    build_training(cfg, 13, torch.device("cpu"), 1, log=lines.append)
+    torch._dynamo.reset()
+    warned = [line for line in lines if "train.compile = true with the bucketed dispatch (grouped)" in line]
+    assert len(warned) == int(said), lines

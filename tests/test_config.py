@@ -159,7 +159,7 @@ def test_int_for_a_float_field_is_accepted_and_stored_as_float(tmp_path):
 def test_value_outside_a_literal_is_rejected_listing_the_choices(tmp_path):
     path = write(tmp_path, '[pool]\ndispatch = "fast"\n')
     assert error_of(load_config, str(path)) == (
-        f'{path}: pool.dispatch = "fast" is not one of: auto, grouped, native, rectangle, loop')
+        f'{path}: pool.dispatch = "fast" is not one of: auto, grouped, native, triton, rectangle, loop')
 
 
 def test_top_k_above_n_experts_is_impossible(tmp_path):

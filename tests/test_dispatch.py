@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from minagi import dispatch
 from minagi.dispatch import (GROUPED_MM, MAX_GROUPS, Layout, host_layout, layered_layout, make_plan, resolve_dispatch,
                              round_capacity, run_padded)
 from minagi.pool import PooledMLP
@@ -9,6 +10,8 @@ from minagi.swiglu import swiglu_eager
 from tiny import new_pool
 
 D, F_, E, K = 16, 24, 8, 2
+# The paths a CUDA GPU runs against the fp32 loop: minagi's Triton grouped GEMM where Triton is here.
+GPU_PATHS = ("grouped", "rectangle", "native") + (("triton",) if dispatch._has_triton() else ())
 
 
 def routing(n_chars, bias_E, k=K, seed=0):
@@ -275,7 +278,7 @@ def test_cuda_bf16_paths_match_fp32_loop(scenario):
     ref = pool.experts_forward(x, ids, gates, path="loop")[0].detach()
     pool = pool.cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        for path in ("grouped", "rectangle", "native"):
+        for path in GPU_PATHS:
             y = pool.experts_forward(x.cuda(), ids.cuda(), gates.cuda(), path=path)[0].float().cpu()
             err = (y - ref).norm() / ref.norm()
             assert err < 2e-2, f"{path}: relative error {err:.3g}"
@@ -344,7 +347,7 @@ def test_cuda_bf16_training_paths_match_fp32_loop_in_gradients(scenario, capacit
     ref = run(pool, "loop", x, ids, gates)
     pool = pool.cuda()
     weight = torch.randn(ref[0].shape, generator=torch.Generator().manual_seed(1)).cuda()  # run()'s
-    for path in ("grouped", "rectangle", "native"):
+    for path in GPU_PATHS:
         pool.zero_grad()
         xc = x.cuda().requires_grad_(True)
         gc = gates.cuda().requires_grad_(True)

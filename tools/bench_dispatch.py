@@ -139,7 +139,7 @@ def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int, 
     routed = sum(load)
     if path == "loop" or routed == 0:
         return None
-    if path == "native":
+    if path in ("native", "triton"):  # the packed rows: no padding, the card read twice and its gradient written
         rows, weights = routed, 3 * card_bytes
     else:
         layout = layered_layout(load) if path == "grouped" else Layout(tuple(load), max(load), ())
@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     E, K = args.experts, args.top_k
     default_path = resolve_dispatch("auto", device, dtype)
     swiglu_ran = implementation(torch.empty(1, 2, device=device, dtype=dtype, requires_grad=True), args.swiglu)
-    paths = [p for p in args.paths if p != "native" or native_supported(device, dtype)]
+    paths = [p for p in args.paths if (p != "native" or native_supported(device, dtype))
+             and (p != "triton" or resolve_dispatch(p, device, dtype) == p)]  # triton: a CUDA GPU with Triton
     torch.manual_seed(0)
     pool = PooledMLP(D, PoolConfig(n_experts=E, top_k=K, d_expert=Fw, swiglu=args.swiglu)).to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
