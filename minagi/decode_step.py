@@ -42,7 +42,7 @@ from torch import Tensor
 
 from . import rowmath
 from .dense import dense_swiglu
-from .dispatch import make_plan, run_native
+from .dispatch import PACKED, RUNNERS, make_plan
 from .experts import ExpertStack
 from .mlp import compute_dtype
 from .router import choose_experts, route  # noqa: F401  (choose_experts: the tests compare against it here)
@@ -107,10 +107,10 @@ def route_step(x_ND: Tensor, router_ED: Tensor, bias_E: Tensor | None, top_k: in
 
 
 def auto_grouped(pool, n_streams: int) -> bool:
-    """Whether expert_path `auto` runs a resident pool grouped: where the pool itself runs torch's
-    grouped GEMM and many streams choose each expert several times a step (there it was 1.8x faster
-    on the H200); at batch 1 its sort and plan cost more than gathering 4 experts."""
-    return pool.path == "native" and n_streams * pool.cfg.top_k >= 2 * pool.n_experts
+    """Whether expert_path `auto` runs a resident pool grouped: where the pool itself runs a grouped
+    GEMM (torch's or minagi's) and many streams choose each expert several times a step (there it was
+    1.8x faster on the H200); at batch 1 its sort and plan cost more than gathering 4 experts."""
+    return pool.path in PACKED and n_streams * pool.cfg.top_k >= 2 * pool.n_experts
 
 
 # ------------------------------------------------------------------------------ the MLP steps
@@ -188,20 +188,23 @@ class FrozenStep(_Routed):
 
 
 class GroupedStep(_Routed):
-    """The pool's own grouped-GEMM path (`dispatch.run_native`) on whole resident stacks gate_up
-    [E, D, 2F], down [E, F, D]: sort and counts without a host sync. `kernels`: pool.swiglu (minagi/swiglu.py)."""
+    """The pool's own grouped-GEMM path (`path`: "native", torch's, or "triton", minagi's; dispatch.PACKED)
+    on whole resident stacks gate_up [E, D, 2F], down [E, F, D]: sort and counts without a host sync.
+    `kernels`: pool.swiglu (minagi/swiglu.py)."""
 
     def __init__(self, router_ED: Tensor, bias_E: Tensor | None, top_k: int, gate_up_EDF2: Tensor,
-                 down_EFD: Tensor, kernels: str = "eager", products: bool = False):
+                 down_EFD: Tensor, kernels: str = "eager", products: bool = False, path: str = "native"):
         super().__init__(router_ED, bias_E, top_k, products)
-        self.gate_up_EDF2, self.down_EFD, self.kernels = gate_up_EDF2, down_EFD, kernels
+        if path not in PACKED:
+            raise ValueError(f"GroupedStep runs one of {', '.join(PACKED)}; got {path!r}")
+        self.gate_up_EDF2, self.down_EFD, self.kernels, self.run = gate_up_EDF2, down_EFD, kernels, RUNNERS[path]
 
     def __call__(self, x_ND: Tensor) -> Tensor:
         dtype = compute_dtype(x_ND)
         ids_NK, gates_NK = self.route(x_ND)
         plan = make_plan(ids_NK, self.gate_up_EDF2.shape[0])
-        return run_native(x_ND.to(dtype), gates_NK.to(dtype), self.gate_up_EDF2, self.down_EFD, plan, {},
-                          kernels=self.kernels)
+        return self.run(x_ND.to(dtype), gates_NK.to(dtype), self.gate_up_EDF2, self.down_EFD, plan, {},
+                        kernels=self.kernels)
 
 
 class PoolStep:
@@ -258,7 +261,7 @@ def dense_steps(mlp, options: StepOptions) -> tuple[DenseStep, DenseStep]:
 
 def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolStep]:
     """A pool's step (gathered, grouped or frozen: `decode.Decoder`'s expert_path) and its window
-    form: resident experts on torch's grouped GEMM where the pool runs it ("native": no host sync,
+    form: resident experts on the pool's grouped GEMM where it runs one (dispatch.PACKED: no host sync,
     so a slide can be captured), otherwise the pool's own forward."""
     router = pool.router
     route = (router.weight.detach(), router.selection_bias if router.aux_free_bias else None, pool.cfg.top_k)
@@ -275,14 +278,15 @@ def pooled_steps(pool, options: StepOptions) -> tuple[_Routed, _Routed | PoolSte
     gate_up, down = options.cast(pool.experts.gate_up), options.cast(pool.experts.down)
     kernels = pool.cfg.swiglu
     if grouped:
-        step = GroupedStep(*route, gate_up, down, kernels, options.products)
+        step = GroupedStep(*route, gate_up, down, kernels, options.products,
+                           path=pool.path if pool.path in PACKED else "native")
     elif options.products:  # gathered_products sums along contiguous memory: the stacks transposed
         gate_up, down = (s.transpose(1, 2).contiguous() for s in (gate_up, down))
         step = GatheredStep(*route, gate_up, down, products=True)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)  # the window's: [E, D, 2F], [E, F, D] views
     else:
         step = GatheredStep(*route, gate_up, down)
-    window = GroupedStep(*route, gate_up, down, kernels) if pool.path == "native" else PoolStep(pool)
+    window = GroupedStep(*route, gate_up, down, kernels, path=pool.path) if pool.path in PACKED else PoolStep(pool)
     return _with_shared(pool, step, options), _with_shared(pool, window, options)
 
 

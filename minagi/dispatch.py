@@ -33,6 +33,7 @@ from .swiglu import swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "triton", "rectangle", "loop")
 PADDED = ("grouped", "rectangle")  # the paths that run a host-made layout (`host_layout`)
+PACKED = ("native", "triton")      # the paths that run the packed rows and device offsets: no host sync
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import Config
-from .dispatch import layered_layout
+from .dispatch import PACKED, layered_layout
 
 __all__ = ["TARGETS", "MemoryPlan", "Part", "Target", "describe", "local_target", "plan_memory", "plan_report",
            "row_saved", "weight_counts"]
@@ -155,7 +155,7 @@ def _eager_swiglu(setting: str, target: Target, c: int) -> bool:
 
 def _padding(path: str, n_experts: int, top_k: int, n_chars: int, sink_ratio: float, frozen: bool) -> float:
     """Padded / routed rows of `path` with one expert at `sink_ratio` x its fair share, the rest even."""
-    if path in ("native", "triton", "loop"):
+    if path in (*PACKED, "loop"):
         return 1.0
     routed = n_chars * top_k
     fair = routed / n_experts
@@ -550,7 +550,7 @@ def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[s
              f"activations a row: {_gib(per_row)} without row checkpointing, {_gib(row_saved(s, True)['input'])} with "
              f"({per_row / s.N:,.0f} and {4 * s.D} bytes a character; checkpointed, one row at a time is replayed "
              f"in full); weight copies a row: {_gib(weight_copies(s))}"]
-    if s.pooled and s.path not in ("native", "triton"):
+    if s.pooled and s.path not in PACKED:
         notes.append(f"dispatch {s.path}: padded / routed rows {s.pad:.2f} with one expert at pool.sink_ratio = "
                      f"{cfg.pool.sink_ratio:g} x its fair share")
     if any(st.pinned):

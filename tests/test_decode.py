@@ -29,6 +29,7 @@ TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context
         "pool.n_experts=4", "pool.top_k=2", "pool.d_expert=32"]
 KINDS = {"grouped": ["pool.dispatch=grouped"], "loop": ["pool.dispatch=loop"],
          "rectangle": ["pool.dispatch=rectangle"], "native": ["pool.dispatch=native"],
+         "triton": ["pool.dispatch=triton"],  # minagi's grouped GEMM on a GPU; the bucketed path elsewhere
          "capacity": ["pool.capacity_factor=0.5"], "top1": ["pool.top_k=1"], "dense": ["model.mlp=dense"],
          "nf4": ["pool.dispatch=grouped"], "nf4-lora": ["pool.dispatch=grouped"],
          "shared": ["pool.shared_experts=1", "pool.dispatch=native"],
@@ -390,7 +391,7 @@ def _graphed_vs_eager(kind: str, monkeypatch, streams: int):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["grouped", "native", "dense", "nf4"])
+@pytest.mark.parametrize("kind", ["grouped", "native", "triton", "dense", "nf4"])
 def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypatch):
     _, out = _graphed_vs_eager(kind, monkeypatch, streams=4)  # native: 4 x top_k 2 >= 2 x 4 experts, grouped
     (eager, eager_logits), (graphed, graphed_logits) = out["off"], out["on"]
@@ -401,12 +402,12 @@ def test_graphed_decode_equals_eager_decode_across_slides_on_cuda(kind, monkeypa
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["grouped", "native", "dense", "nf4"])
+@pytest.mark.parametrize("kind", ["grouped", "native", "triton", "dense", "nf4"])
 def test_the_step_makes_no_host_sync_on_cuda(kind):
     model = make_model(kind, "cuda")
     for graphs, top_p in ((False, 1.0), (True, 1.0), (True, 0.9)):
         decoder = Decoder(model, [0, 1, 2, 3], CONTEXT, temperature=1.0, top_k=3, graphs=graphs, top_p=top_p)
-        assert kind != "native" or isinstance(decoder.mlps[0], GroupedStep)  # 4 streams x top_k 2 >= 2 x 4 experts
+        assert kind not in ("native", "triton") or isinstance(decoder.mlps[0], GroupedStep)  # 4 x top_k 2 >= 2 x 4 experts
         decoder.prefill([0, 1, 2, 3], [[1, 2, 3], [4], [5, 6], [7]])
         decoder.advance()  # the first noise table is made outside the step
         torch.cuda.synchronize()
@@ -472,7 +473,7 @@ def test_a_compiled_step_needs_cuda_and_resident_experts():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["native", "grouped", "dense"])
+@pytest.mark.parametrize("kind", ["native", "triton", "grouped", "dense"])
 def test_the_compiled_step_is_as_close_to_fp32_as_the_eager_step_and_compiles_each_piece_once(kind, monkeypatch):
     from torch._dynamo.utils import counters
     model = make_model(kind, "cuda")

@@ -23,7 +23,7 @@ import torch
 
 from minagi.config import PoolConfig
 from minagi.dense import dense_swiglu
-from minagi.dispatch import PATHS, native_supported, resolve_dispatch
+from minagi.dispatch import PACKED, PATHS, native_supported, resolve_dispatch
 from minagi.pool import PooledMLP
 from minagi.swiglu import implementation
 
@@ -139,7 +139,7 @@ def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int, 
     routed = sum(load)
     if path == "loop" or routed == 0:
         return None
-    if path in ("native", "triton"):  # the packed rows: no padding, the card read twice and its gradient written
+    if path in PACKED:  # the packed rows: no padding, the card read twice and its gradient written
         rows, weights = routed, 3 * card_bytes
     else:
         layout = layered_layout(load) if path == "grouped" else Layout(tuple(load), max(load), ())
