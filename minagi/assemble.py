@@ -85,7 +85,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
                         compiled_regions=tc.compile_mode if tc.compile == "rows" else None, log=log, dtype=dtype,
                         exchange=layout.exchange)
-    _warn_whole_step_on_padded_paths(tc.compile, model, log)
+    _warn_whole_step_on_padded_paths(tc.compile, model, device, log)
     if tc.compile == "rows" and tc.compile_mode == "reduce-overhead":
         # Each row's graphs are replayed while the rows before it still await their backward, which
         # keeps cudagraph trees off their fast path and makes them say so once; expected here, and the
@@ -109,15 +109,15 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
                     balance_prepass=prepass)
 
 
-def _warn_whole_step_on_padded_paths(compile_setting, model, log: Callable[[str], None]) -> None:
-    """A whole-step compile around a bucketed path: its layouts change the step's shapes with the
-    routing, so torch.compile recompiles at new ones until its limit and then runs the step eagerly.
-    Said once at start; "rows" compiles around the experts instead."""
+def _warn_whole_step_on_padded_paths(compile_setting, model, device: torch.device, log: Callable[[str], None]) -> None:
+    """A whole-step compile around a bucketed path on a GPU: its layouts change the step's shapes with
+    the routing, so torch.compile recompiles at new ones until its limit and then runs the step
+    eagerly. Said once at start; "rows" compiles around the experts instead. (The CPU's own note is
+    train.py's `compile_note`.)"""
     padded = sorted({pool.path for pool in model.pools()} & set(PADDED))
-    if compile_setting is True and padded:
+    if compile_setting is True and padded and device.type != "cpu":
         log(f"train.compile = true with the bucketed dispatch ({', '.join(padded)}): its shapes change with the "
-            "routing, so the step recompiles at new ones; train.compile = \"rows\" compiles around the experts "
-            "(on a CUDA GPU with Triton, pool.dispatch = \"triton\" keeps the shapes fixed)")
+            "routing, so the step recompiles at new ones; train.compile = \"rows\" compiles around the experts")
 
 
 def restore_training(training: Training, ckpt: Checkpoint) -> str | None:

@@ -36,7 +36,7 @@ PADDED = ("grouped", "rectangle")  # the paths that run a host-made layout (`hos
 PACKED = ("native", "triton")      # the paths that run the packed rows and device offsets: no host sync
 
 
-def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def native_supported(device: torch.device, dtype: torch.dtype, warn: bool = True) -> bool:
     """Whether torch's grouped GEMM runs (fast) for this device and compute dtype.
 
     CUDA (ROCm included): bf16 only, and only where the probe (minagi/probe.py) finds the kernel
@@ -46,15 +46,17 @@ def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if GROUPED_MM is None:
         return False
     if device.type == "cuda":
-        return dtype == torch.bfloat16 and probe.grouped_mm_works(device, dtype)
+        return dtype == torch.bfloat16 and probe.grouped_mm_works(device, dtype, warn)
     return device.type == "cpu"
 
 
-def triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
+def triton_supported(device: torch.device, dtype: torch.dtype, warn: bool = True) -> bool:
     """Whether `auto` may take minagi's Triton grouped GEMM: an NVIDIA GPU of sm80 or newer (bf16 in
-    Triton's dot), bf16 or fp16 compute, Triton here, and the probe passed (exact, no host sync)."""
+    Triton's dot; where it was run), bf16 or fp16 compute, Triton here, and the probe passed (exact,
+    no host sync)."""
     return (_triton_runs(device, dtype) and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (8, 0) and probe.triton_grouped_mm_works(device, dtype))
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and probe.triton_grouped_mm_works(device, dtype, warn))
 
 
 def _triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -71,20 +73,25 @@ def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype
 
     `auto` on CUDA takes torch's grouped GEMM where it is fast (bf16, the probe passed:
     `native_supported`), else minagi's Triton grouped GEMM where it runs (`triton_supported`), else
-    the bucketed bmm path; the CPU takes the bucketed path. An explicit `native` that cannot run is
-    an error.
+    the bucketed bmm path, saying in one warning each why neither grouped GEMM was taken; the CPU
+    takes the bucketed path. An explicit `native` that cannot run is an error.
     `native` in another dtype than bf16 on CUDA, or under torch.compile, takes the bucketed path:
     the CUDA kernel and the meta kernel compile traces with are bf16-only (torch 2.13: fp32 fails to
-    trace though it runs eagerly on the CPU). `triton` off a CUDA GPU, in fp32, or without Triton
-    takes the bucketed path too (the same function; a checkpoint trained with it loads anywhere).
+    trace though it runs eagerly on the CPU). An explicit `triton` runs on any GPU with Triton (AMD
+    too: asked for, never run here) where the probe passes it, in bf16 or fp16; elsewhere it takes
+    the bucketed path (the same function: a checkpoint trained with it loads anywhere).
     """
     device = torch.device(device)
     if choice == "auto":
         if device.type != "cuda":
             return "grouped"
-        if native_supported(device, dtype):
+        if native_supported(device, dtype, warn=False):
             return "native"
-        return "triton" if triton_supported(device, dtype) else "grouped"
+        if triton_supported(device, dtype, warn=False):
+            return "triton"
+        native_supported(device, dtype)  # neither: each refusal said once, with its reason
+        triton_supported(device, dtype)
+        return "grouped"
     if choice not in PATHS:
         raise ValueError(f"dispatch must be one of auto, {', '.join(PATHS)}; got {choice!r}")
     if choice == "native" and GROUPED_MM is None:
@@ -92,7 +99,7 @@ def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype
                          f"torch {torch.__version__} has neither (use 'grouped')")
     if choice == "native" and dtype != torch.bfloat16 and (device.type == "cuda" or compiled):
         return "grouped"
-    if choice == "triton" and not _triton_runs(device, dtype):
+    if choice == "triton" and not (_triton_runs(device, dtype) and probe.triton_grouped_mm_works(device, dtype)):
         return "grouped"
     return choice
 

@@ -20,6 +20,7 @@ weight gradient [E, I, O]. Products accumulate in fp32; results are stored in x'
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -100,8 +101,8 @@ def _weight_kernel(x_ptr, g_ptr, dw_ptr, offs_ptr, I: tl.constexpr, O: tl.conste
 
 @functools.cache
 def _stages(device_index: int) -> int:
-    """Pipeline stages the device's shared memory holds: 3 of the 96 KiB tiles where a block may take
-    more than 128 KiB (A100, H100), else 2 (RTX 30/40: ~100 KiB)."""
+    """Pipeline stages the device's shared memory holds, 32 KiB of tiles a stage: 3 (96 KiB) where a
+    block may take 128 KiB or more (A100, H100), else 2 (RTX 30/40: ~100 KiB)."""
     props = torch.cuda.get_device_properties(device_index)
     optin = getattr(props, "shared_memory_per_block_optin", 0)
     return 3 if optin >= 128 * 1024 else 2
@@ -118,28 +119,53 @@ def _launch_options(t: Tensor) -> dict:
     return {"num_warps": WARPS, "num_stages": _stages(t.device.index)} if t.is_cuda else {}
 
 
+def _check(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor, what: str) -> None:
+    """Shapes and dtypes the kernels assume (they read memory by these shapes: a mismatch would read out
+    of bounds, not fail). `what`: the second operand's name, for the message."""
+    torch._check(x_RI.dim() == 2 and w_EIO.dim() in (2, 3), lambda: f"grouped_mm: x must be [R, I] and {what} 2-D "
+                 f"or 3-D; got {tuple(x_RI.shape)} and {tuple(w_EIO.shape)}")
+    torch._check(x_RI.dtype == w_EIO.dtype and x_RI.dtype in (torch.bfloat16, torch.float16),
+                 lambda: f"grouped_mm: x and {what} must both be bf16 or fp16; got {x_RI.dtype} and {w_EIO.dtype}")
+    torch._check(offs_E.dim() == 1 and offs_E.dtype == torch.int32,
+                 lambda: f"grouped_mm: offsets must be int32 [E]; got {offs_E.dtype} {tuple(offs_E.shape)}")
+
+
 def _rows(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    _check(x_RI, w_EIO, offs_E, "w")
     R, I = x_RI.shape
-    E, _, O = w_EIO.shape
+    E, I_w, O = w_EIO.shape
+    torch._check(I_w == I and offs_E.shape[0] == E, lambda: f"grouped_mm: x {tuple(x_RI.shape)}, w {tuple(w_EIO.shape)} "
+                 f"and offsets [{offs_E.shape[0]}] do not fit: x [R, I], w [E, I, O], offsets [E]")
     y_RO = x_RI.new_empty(R, O)
     # Few rows an expert (small cards' batches): half-height tiles waste less of each expert's last one.
     block_m, block_n, block_k = ROWS_TILES
     block_m = min(block_m, 64) if R < 128 * E else block_m
     grid = ((triton.cdiv(R, block_m) + E) * triton.cdiv(O, block_n),)
-    _rows_kernel[grid](x_RI, w_EIO, y_RO, offs_E, E, I, O, *x_RI.stride(), *w_EIO.stride(), *y_RO.stride(),
-                       E_POW2=triton.next_power_of_2(E), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                       **_launch_options(x_RI))
+    with _on(x_RI):
+        _rows_kernel[grid](x_RI, w_EIO, y_RO, offs_E, E, I, O, *x_RI.stride(), *w_EIO.stride(), *y_RO.stride(),
+                           E_POW2=triton.next_power_of_2(E), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                           **_launch_options(x_RI))
     return y_RO
 
 
 def _weights(x_RI: Tensor, grad_RO: Tensor, offs_E: Tensor, n_experts: int) -> Tensor:
-    (_, I), O = x_RI.shape, grad_RO.shape[1]
+    _check(x_RI, grad_RO, offs_E, "the output gradient")
+    (R, I), O = x_RI.shape, grad_RO.shape[1]
+    torch._check(grad_RO.shape[0] == R and offs_E.shape[0] == n_experts, lambda: f"grouped_mm's weight gradient: x "
+                 f"{tuple(x_RI.shape)}, the output gradient {tuple(grad_RO.shape)} and offsets [{offs_E.shape[0]}] do "
+                 f"not fit {n_experts} experts")
     dw_EIO = x_RI.new_empty(n_experts, I, O)
     block_i, block_o, block_r = WEIGHT_TILES
     grid = (triton.cdiv(I, block_i) * triton.cdiv(O, block_o), n_experts)
-    _weight_kernel[grid](x_RI, grad_RO, dw_EIO, offs_E, I, O, *x_RI.stride(), *grad_RO.stride(), *dw_EIO.stride(),
-                         BLOCK_I=block_i, BLOCK_O=block_o, BLOCK_R=block_r, **_launch_options(x_RI))
+    with _on(x_RI):
+        _weight_kernel[grid](x_RI, grad_RO, dw_EIO, offs_E, I, O, *x_RI.stride(), *grad_RO.stride(), *dw_EIO.stride(),
+                             BLOCK_I=block_i, BLOCK_O=block_o, BLOCK_R=block_r, **_launch_options(x_RI))
     return dw_EIO
+
+
+def _on(t: Tensor):
+    """Triton launches on the current device: make it the tensor's (a probe of cuda:1, a tool's device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 # Custom ops, so torch.compile traces through the launches (as ops with fakes and an autograd formula)
@@ -153,6 +179,7 @@ def grouped_mm(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor) -> Tensor:
 
 @grouped_mm.register_fake
 def _(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor) -> Tensor:
+    _check(x_RI, w_EIO, offs_E, "w")
     return x_RI.new_empty(x_RI.shape[0], w_EIO.shape[2])
 
 
@@ -164,6 +191,7 @@ def weight_grad(x_RI: Tensor, grad_RO: Tensor, offs_E: Tensor, n_experts: int) -
 
 @weight_grad.register_fake
 def _(x_RI: Tensor, grad_RO: Tensor, offs_E: Tensor, n_experts: int) -> Tensor:
+    _check(x_RI, grad_RO, offs_E, "the output gradient")
     return x_RI.new_empty(n_experts, x_RI.shape[1], grad_RO.shape[1])
 
 

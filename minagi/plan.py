@@ -127,9 +127,9 @@ def _resolve(cfg: Config, target: Target, world_size: int, vocab_size: int) -> _
     precision = tc.precision if tc.precision != "auto" else ("bf16" if target.bf16 else "fp32")
     c = {"bf16": 2, "fp16": 2, "fp32": 4}[precision]
     path = p.dispatch
-    triton = target.gpu and target.kernels and c == 2  # minagi's Triton grouped GEMM runs (bf16/fp16)
-    if path == "auto":
-        path = "native" if target.native and precision == "bf16" else ("triton" if triton else "grouped")
+    triton = target.gpu and c == 2  # resolve_dispatch: minagi's Triton grouped GEMM runs in bf16/fp16 on a GPU
+    if path == "auto":  # ... and `auto` takes it where minagi's Triton kernels are run (NVIDIA sm80+)
+        path = "native" if target.native and precision == "bf16" else ("triton" if triton and target.kernels else "grouped")
     elif path == "native" and target.gpu and (precision != "bf16" or not target.native):
         path = "grouped"  # resolve_dispatch: the CUDA kernel is bf16-only; elsewhere it loops with syncs
     elif path == "triton" and not triton:

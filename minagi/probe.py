@@ -43,29 +43,34 @@ class Answer:
 _ANSWERS: dict[tuple, Answer] = {}
 
 
-def grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+def grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, warn: bool = True) -> bool:
     """Whether torch's grouped GEMM runs on `device` in `dtype`, exactly and (CUDA) without a host sync.
-    Probed once per device, torch version and dtype in a process; a "no" warns once, saying why."""
-    return _ask(device, dtype, "torch", "torch's grouped GEMM", "dispatch \"auto\" takes minagi's Triton "
-                  "grouped GEMM where it runs, else the bucketed path; pool.dispatch = \"triton\" or \"grouped\" "
-                  "chooses one without this probe")
+    Probed once per device, torch version and dtype in a process; a "no" warns once, saying why
+    (`warn` False: not yet; dispatch `auto` says nothing where minagi's kernel takes over)."""
+    return _ask(device, dtype, "torch", warn, "torch's grouped GEMM", "dispatch \"auto\" takes minagi's Triton "
+                "grouped GEMM where it runs, else the bucketed path; pool.dispatch = \"triton\" or \"grouped\" "
+                "chooses one without this probe")
 
 
-def triton_grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+def triton_grouped_mm_works(device: torch.device | str, dtype: torch.dtype = torch.bfloat16, warn: bool = True) -> bool:
     """The same question of minagi's Triton grouped GEMM (minagi/grouped_triton.py)."""
-    return _ask(device, dtype, "triton", "minagi's Triton grouped GEMM", "the experts take the bucketed path "
-                  "(dispatch \"grouped\"); pool.dispatch = \"grouped\" chooses it without this probe")
+    return _ask(device, dtype, "triton", warn, "minagi's Triton grouped GEMM", "the experts take the bucketed "
+                "path (dispatch \"grouped\"); pool.dispatch = \"grouped\" chooses it without this probe")
 
 
-def _ask(device: torch.device | str, dtype: torch.dtype, kernel: str, name: str, instead: str) -> bool:
+_WARNED: set[tuple] = set()
+
+
+def _ask(device: torch.device | str, dtype: torch.dtype, kernel: str, warn: bool, name: str, instead: str) -> bool:
     device = torch.device(device)
     key = (_device_key(device), torch.__version__, str(dtype), kernel)
     answer = _ANSWERS.get(key)
     if answer is None:
         answer = _ANSWERS[key] = probe(device, dtype, kernel)
-        if not answer.works:
-            warnings.warn(f"{name} {answer.why} on {_device_name(device)} (torch {torch.__version__}, "
-                          f"{str(dtype).removeprefix('torch.')}): {instead}", stacklevel=3)
+    if warn and not answer.works and key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"{name} {answer.why} on {_device_name(device)} (torch {torch.__version__}, "
+                      f"{str(dtype).removeprefix('torch.')}): {instead}", stacklevel=3)
     return answer.works
 
 

@@ -158,12 +158,26 @@ def test_rows_with_cuda_graphs_compute_what_the_eager_step_does_and_compile_once
     assert first == pytest.approx(compiled[:1], rel=1e-3) and compiled == pytest.approx(eager, rel=2e-2)
 
 
-@pytest.mark.parametrize("sets, said", [([], True), (["model.mlp=dense"], False), (["train.compile=rows"], False)],
-                         ids=["bucketed", "dense", "rows"])
-def test_a_whole_step_compile_around_the_bucketed_path_is_said_once_at_start(sets, said):
-    cfg = load_config(None, TINY + ["train.device=cpu", "train.compile=true", *sets])
+@pytest.mark.parametrize("device, paths, setting, said", [
+    ("cuda", ["grouped"], True, True), ("cuda", ["triton"], True, False), ("cuda", [], True, False),
+    ("cuda", ["grouped"], "rows", False), ("cpu", ["grouped"], True, False)],  # the CPU's note is train.py's
+    ids=["bucketed", "triton", "dense", "rows", "cpu"])
+def test_a_whole_step_compile_around_the_bucketed_path_on_a_gpu_is_said_once_at_start(device, paths, setting, said):
+    from types import SimpleNamespace
+
+    from minagi.assemble import _warn_whole_step_on_padded_paths
+    model = SimpleNamespace(pools=lambda: [SimpleNamespace(path=p) for p in paths * 2])  # two rows
     lines = []
-    build_training(cfg, 13, torch.device("cpu"), 1, log=lines.append)
+    _warn_whole_step_on_padded_paths(setting, model, torch.device(device), lines.append)
+    assert lines == (['train.compile = true with the bucketed dispatch (grouped): its shapes change with the '
+                      'routing, so the step recompiles at new ones; train.compile = "rows" compiles around the '
+                      'experts'] if said else [])
+
+
+def test_building_a_run_asks_that_question_of_its_model(monkeypatch):
+    from minagi import assemble
+    asked = []
+    monkeypatch.setattr(assemble, "_warn_whole_step_on_padded_paths", lambda *args: asked.append(args[:1] + args[2:3]))
+    build_training(load_config(None, TINY + ["train.device=cpu", "train.compile=true"]), 13, torch.device("cpu"), 1)
     torch._dynamo.reset()
-    warned = [line for line in lines if "train.compile = true with the bucketed dispatch (grouped)" in line]
-    assert len(warned) == int(said), lines
+    assert asked == [(True, torch.device("cpu"))]

@@ -15,6 +15,7 @@ REAL = mm.GROUPED_MM
 @pytest.fixture(autouse=True)
 def fresh_answers(monkeypatch):
     monkeypatch.setattr(probe, "_ANSWERS", {})
+    monkeypatch.setattr(probe, "_WARNED", set())
 
 
 def _asked(device="cpu", dtype=torch.bfloat16) -> tuple[bool, list[str]]:
@@ -93,21 +94,35 @@ def test_a_failed_probe_sends_auto_to_the_bucketed_path_and_a_passed_one_to_nati
     asked = []
 
     def answer(works):
-        def grouped_mm_works(device, dtype):
-            asked.append((torch.device(device).type, dtype))
+        def grouped_mm_works(device, dtype, warn=True):
+            asked.append((torch.device(device).type, dtype, warn))
             return works
         return grouped_mm_works
-    monkeypatch.setattr(dispatch, "triton_supported", lambda device, dtype: False)  # minagi's kernel: its own tests
+    monkeypatch.setattr(dispatch, "triton_supported", lambda device, dtype, warn=True: False)  # its own tests
     monkeypatch.setattr(probe, "grouped_mm_works", answer(False))
     assert resolve_dispatch("auto", "cuda", torch.bfloat16) == "grouped"
+    # asked quietly first (minagi's kernel might take over), then again to say why neither was taken
+    assert asked == [("cuda", torch.bfloat16, False), ("cuda", torch.bfloat16, True)]
     monkeypatch.setattr(probe, "grouped_mm_works", answer(True))
     assert resolve_dispatch("auto", "cuda", torch.bfloat16) == "native"
-    assert asked == [("cuda", torch.bfloat16)] * 2
+    assert asked[2:] == [("cuda", torch.bfloat16, False)]
     # The cheap checks stay before the probe: not bf16, or the CPU, asks nothing.
     assert resolve_dispatch("auto", "cuda", torch.float32) == "grouped"
     assert resolve_dispatch("auto", "cpu", torch.bfloat16) == "grouped"
     assert not dispatch.native_supported(torch.device("cuda"), torch.float16)
-    assert len(asked) == 2
+    assert len(asked) == 3
+
+
+def test_a_refusal_asked_quietly_is_said_once_when_asked_aloud(monkeypatch):
+    monkeypatch.setattr(mm, "GROUPED_MM", _failing)
+    monkeypatch.setattr(probe, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert probe.grouped_mm_works("cpu", torch.bfloat16, warn=False) is False
+        assert not caught
+        assert probe.grouped_mm_works("cpu", torch.bfloat16) is False
+        assert probe.grouped_mm_works("cpu", torch.bfloat16) is False
+    assert len(caught) == 1 and "fails (CUDA error: no kernel image" in str(caught[0].message)
 
 
 @pytest.mark.gpu
