@@ -39,6 +39,7 @@ from minagi.config import load_config
 from minagi.data import Vocab
 from minagi.decode import Decoder, auto_grouped
 from minagi.devices import host_syncs
+from minagi.dispatch import PACKED
 from minagi.frozen import frozen_stacks
 from minagi.model import CharLM, build_model
 from minagi.sampling import generate, write
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         case("static, compiled, read every 16", "on", 1, 16, compiled=True)
         case("static, compiled, GEMV/sort/SDPA kernels (no products)", "on", 1, 1, compiled=True, products=False)
         case("static, compiled", "on", B, 16, compiled=True)
-    if model.cfg.mlp == "pooled" and model.pools()[0].path == "native" and cuda:
+    if model.cfg.mlp == "pooled" and model.pools()[0].path in PACKED and cuda:
         for streams in (1, B):  # the expert path auto does not take, beside the one it takes
             other = "gathered" if auto_grouped(model.pools()[0], streams) else "grouped"
             case(f"static, experts {other}", "on", streams, 1 if streams == 1 else 16, expert_path=other)
