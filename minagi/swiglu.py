@@ -21,7 +21,6 @@ train.py maps the environment variable MINAGI_SWIGLU onto it):
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -74,10 +73,15 @@ def implementation(h: Tensor, kernels: str = "auto") -> str:
     return "jiterator"
 
 
-@functools.cache
+_CAPABLE: dict[int, bool] = {}
+
+
 def _capable(device_index: int) -> bool:
-    """Ampere or newer: bf16 in Triton needs sm80 (the kernels were run on sm90)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+    """Ampere or newer: bf16 in Triton needs sm80 (the kernels were run on sm90). Kept in a dict, not
+    functools.cache: a compiled step traces this, and dynamo warns at every cache wrapper it meets."""
+    if device_index not in _CAPABLE:
+        _CAPABLE[device_index] = torch.cuda.get_device_capability(device_index) >= (8, 0)
+    return _CAPABLE[device_index]
 
 
 class _SwiGLU(torch.autograd.Function):
