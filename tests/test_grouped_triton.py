@@ -2,8 +2,11 @@
 matmuls, in the output and both gradients; the path chosen by `auto` only where its probe passes; a
 whole step with it compiled as one graph and replayed as a CUDA graph. The kernels need a CUDA GPU
 with Triton; the choices around them are tested on the CPU."""
+import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +77,38 @@ def test_the_kernels_equal_a_loop_of_matmuls_in_output_and_both_gradients(case, 
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * scale, msg=lambda m: f"{name}: {m}")
     empty = [e for e, n in enumerate(counts) if n == 0]
     assert torch.equal(w.grad[empty], torch.zeros_like(w.grad[empty]))
+
+
+def check_rows_kernel(device: str, dtype: torch.dtype) -> None:
+    """The rows kernel (the forward, and the input gradient as W transposed) against the loop on every
+    case; run on the CPU by Triton's interpreter below, whose fp16 dot is right (its bf16 is not)."""
+    from minagi.grouped_triton import _rows
+    for case, (counts, I, O) in CASES.items():
+        gen = torch.Generator().manual_seed(2)
+        R, E = sum(counts), len(counts)
+        x, grad = torch.randn(R, I, generator=gen), torch.randn(R, O, generator=gen)
+        w = torch.randn(E, I, O, generator=gen)
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        want_y, want_dx, _ = loop_reference(x.to(dtype), w.to(dtype), grad.to(dtype), counts)
+        on = {"device": device, "dtype": dtype}
+        got_y = _rows(x.to(**on), w.to(**on), offs.to(device))
+        got_dx = _rows(grad.to(**on), w.to(**on).transpose(1, 2), offs.to(device))
+        for name, got, want in (("output", got_y, want_y), ("input gradient", got_dx, want_dx)):
+            scale = float(want.abs().max()) if want.numel() else 1.0
+            torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=1e-2 * scale,
+                                       msg=lambda m: f"{case} {name}: {m}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter); CI has no triton")
+def test_the_rows_kernel_equals_the_loop_in_the_triton_interpreter():
+    """Every row of every tile schedule written once and right, on the CPU. (The weight kernel's loop
+    over rows loaded from memory is one the interpreter cannot run; the GPU test above covers it.)"""
+    root = Path(__file__).resolve().parent.parent
+    code = "import sys; sys.path.insert(0, 'tests'); import torch, test_grouped_triton as t; " \
+           "t.check_rows_kernel('cpu', torch.float16)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_ops_refuse_operands_that_do_not_fit_in_one_line():
