@@ -119,13 +119,14 @@ def _launch_options(t: Tensor) -> dict:
     return {"num_warps": WARPS, "num_stages": _stages(t.device.index)} if t.is_cuda else {}
 
 
-def _check(x_RI: Tensor, w_EIO: Tensor, offs_E: Tensor, what: str) -> None:
-    """Shapes and dtypes the kernels assume (they read memory by these shapes: a mismatch would read out
-    of bounds, not fail). `what`: the second operand's name, for the message."""
-    torch._check(x_RI.dim() == 2 and w_EIO.dim() in (2, 3), lambda: f"grouped_mm: x must be [R, I] and {what} 2-D "
-                 f"or 3-D; got {tuple(x_RI.shape)} and {tuple(w_EIO.shape)}")
-    torch._check(x_RI.dtype == w_EIO.dtype and x_RI.dtype in (torch.bfloat16, torch.float16),
-                 lambda: f"grouped_mm: x and {what} must both be bf16 or fp16; got {x_RI.dtype} and {w_EIO.dtype}")
+def _check(x_RI: Tensor, other: Tensor, offs_E: Tensor, what: str) -> None:
+    """Ranks and dtypes the kernels assume (they read memory by the shapes: a mismatch would read out of
+    bounds, not fail). `what`: the second operand, "w" [E, I, O] or "the output gradient" [R, O]."""
+    dims = 3 if what == "w" else 2
+    torch._check(x_RI.dim() == 2 and other.dim() == dims, lambda: f"grouped_mm: x must be [R, I] and {what} "
+                 f"{dims}-D; got {tuple(x_RI.shape)} and {tuple(other.shape)}")
+    torch._check(x_RI.dtype == other.dtype and x_RI.dtype in (torch.bfloat16, torch.float16),
+                 lambda: f"grouped_mm: x and {what} must both be bf16 or fp16; got {x_RI.dtype} and {other.dtype}")
     torch._check(offs_E.dim() == 1 and offs_E.dtype == torch.int32,
                  lambda: f"grouped_mm: offsets must be int32 [E]; got {offs_E.dtype} {tuple(offs_E.shape)}")
 

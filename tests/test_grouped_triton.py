@@ -123,6 +123,7 @@ def test_the_ops_refuse_operands_that_do_not_fit_in_one_line():
         (lambda: grouped_mm(x.float(), torch.zeros(2, 16, 8), offs), "must both be bf16 or fp16"),
         (lambda: grouped_mm(x, torch.zeros(2, 16, 8, dtype=torch.bfloat16), offs.long()), "offsets must be int32"),
         (lambda: weight_grad(x, torch.zeros(7, 8, dtype=torch.bfloat16), offs, 2), "do not fit 2 experts"),
+        (lambda: grouped_mm(x, torch.zeros(16, 8, dtype=torch.bfloat16), offs), "w 3-D"),
     ]
     for call, said in cases:
         with pytest.raises(RuntimeError, match=said):
