@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import probe
 from .mm import GROUPED_MM, Layers, Weight, group_bmm, grouped_mm, layered_bmm
-from .swiglu import swiglu, swiglu_eager
+from .swiglu import TRITON_AVAILABLE, swiglu, swiglu_eager
 
 PATHS = ("grouped", "native", "triton", "rectangle", "loop")
 PADDED = ("grouped", "rectangle")  # the paths that run a host-made layout (`host_layout`)
@@ -64,8 +64,7 @@ def _triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _has_triton() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
+    return TRITON_AVAILABLE  # importable: asked once, by minagi/swiglu.py (a function, so tests can fake it)
 
 
 def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str:
