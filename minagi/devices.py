@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import sys
 import warnings
 from typing import Callable
@@ -136,8 +135,9 @@ def rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
+        import resource  # POSIX only: Windows has no such module, and minagi must import there
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    except (AttributeError, OSError):  # pragma: no cover - platforms without getrusage
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - platforms without getrusage
         return None
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
