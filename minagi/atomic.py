@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -46,7 +47,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], durable
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _replace(tmp, path)
         # rename(2) of a hard link over another link of the same file does nothing and succeeds
         # (best.pt made again from its own last.pt): the temporary name would stay behind.
         tmp.unlink(missing_ok=True)
@@ -55,6 +56,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], durable
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+# Windows refuses to replace a file another process holds open (sample.py or evaluate.py reading a live
+# run's best.pt, an antivirus scanning the new file): retried over ~10 s there before it is an error.
+_WINDOWS_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 4.0)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    for delay in _WINDOWS_RETRIES if sys.platform == "win32" else ():
+        try:
+            os.replace(tmp, path)
+            return
+        except PermissionError:
+            time.sleep(delay)
+    os.replace(tmp, path)
 
 
 def pid_alive(pid: int) -> bool:

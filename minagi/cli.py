@@ -10,9 +10,16 @@ from pathlib import Path
 
 from .config import SEED_RULE, valid_seed
 
-__all__ = ["OneLineParser", "non_negative_int", "one_line_warnings", "positive_int", "seed"]
+__all__ = ["OneLineParser", "non_negative_int", "one_line_warnings", "positive_int", "seed", "utf8_stdout"]
 
 MINAGI_DIR = Path(__file__).resolve().parent
+
+
+def utf8_stdout() -> None:
+    """Written text as UTF-8 on every platform. Windows writes a redirected stdout (a file, a pipe) in its
+    ANSI code page (cp1252): the first written character outside it would stop the command."""
+    if sys.platform == "win32" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -328,7 +328,7 @@ class PrecompiledPieces:
         except Exception as e:  # noqa: BLE001 - an experimental API: a refusal to compile, save or load the
             # piece falls back to torch.compile, and is kept, so that no later process compiles twice
             why = f"{stage}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}\n"
-            self._write(refused, lambda tmp: tmp.write_text(why))
+            self._write(refused, lambda tmp: tmp.write_text(why, encoding="utf-8"))
             return self._fall_back(name, args)
         self.made[name] = "written"
         return compiled, compiled(*args)

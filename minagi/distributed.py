@@ -126,11 +126,18 @@ def init_process_group(info: RankInfo, device: torch.device) -> torch.device:
                               f"torchrun --nproc_per_node <= {visible}")
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-        # device_id binds the communicator to this GPU now (no guessing in barrier / first collective).
-        dist.init_process_group("nccl", rank=info.rank, world_size=info.world_size, device_id=device)
+        # device_id binds NCCL's communicator to this GPU now (no guessing in barrier / first collective).
+        backend = gpu_backend()
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+                                **({"device_id": device} if backend == "nccl" else {}))
     else:
         dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
     return device
+
+
+def gpu_backend() -> str:
+    """NCCL (RCCL on ROCm) where this torch has it; gloo where it does not: Windows builds have no NCCL."""
+    return "nccl" if dist.is_nccl_available() else "gloo"
 
 
 def destroy_process_group() -> None:
@@ -157,9 +164,9 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    cuda = device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": device} if cuda and device.index is not None else {}))
+    backend = gpu_backend() if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if backend == "nccl" and device.index is not None else {}))
     try:
         yield
     finally:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from . import devices
 from .checkpoint import CheckpointError
-from .cli import OneLineParser, positive_int
+from .cli import OneLineParser, positive_int, utf8_stdout
 from .config import ConfigError
 from .data import Vocab
 from .gutenberg import MarkersMissing, strip_gutenberg
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strip-gutenberg", action="store_true", help="score only the book of Project Gutenberg files")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    utf8_stdout()  # the report names characters outside the vocabulary
     try:
         device = devices.choose_device(args.device, "--device")
         model, vocab, ckpt = load_trained(resolve_model_path(args.checkpoint), device)

@@ -302,14 +302,22 @@ class RunFolder:
             self.mirror.close()
             self.mirror = None
         if self._lock_fd is not None:
-            if discard_if_empty and [p.name for p in self.path.iterdir()] == ["run.lock"]:
-                try:  # still holding the lock: no other run is in it
-                    (self.path / "run.lock").unlink()
-                    self.path.rmdir()
-                except OSError:
-                    pass  # another process's run.lock appeared: the folder is theirs now
-            os.close(self._lock_fd)  # closing the descriptor releases the lock
+            discard = discard_if_empty and [p.name for p in self.path.iterdir()] == ["run.lock"]
+            windows = sys.platform == "win32"  # where a file held open cannot be deleted: let go of it first
+            if discard and not windows:
+                self._discard()  # still holding the lock: no other run is in it
+            _release(self._lock_fd)
             self._lock_fd = None
+            if discard and windows:
+                self._discard()
+
+    def _discard(self) -> None:
+        """Remove run.lock and the folder `claim` made."""
+        try:
+            (self.path / "run.lock").unlink()
+            self.path.rmdir()
+        except OSError:
+            pass  # another process's run.lock appeared: the folder is theirs now
 
     @staticmethod
     def _guard(path: Path, write, kept: str = "") -> None:
@@ -347,11 +355,28 @@ def _lock(path: Path) -> int:
         os.ftruncate(fd, 0)
         os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
     except OSError as err:  # a full disk: say so rather than train without a named owner
+        if sys.platform == "win32":
+            _release(fd)  # Windows deletes no file held open
         if not existed:
-            path.unlink(missing_ok=True)  # still holding the lock: no other run is in it
-        os.close(fd)
+            path.unlink(missing_ok=True)  # (elsewhere still holding the lock: no other run is in it)
+        if sys.platform != "win32":
+            os.close(fd)
         raise _LockNotMade(_describe_os_error(path, err)) from None
     return fd
+
+
+def _release(fd: int) -> None:
+    """Let go of run.lock's lock and descriptor. Windows unlocks its byte explicitly: a lock dropped at
+    close is released "in a time that depends upon available system resources" (LockFileEx), and an
+    immediate --resume would be told that another run is training."""
+    if sys.platform == "win32":
+        import msvcrt
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        except OSError:
+            pass
+    os.close(fd)  # closing the descriptor releases the lock (POSIX: at once)
 
 
 def _lock_owner(path: Path) -> str:

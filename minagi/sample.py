@@ -29,7 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
-from minagi.cli import OneLineParser, non_negative_int, one_line_warnings, positive_int, seed
+from minagi.cli import OneLineParser, non_negative_int, one_line_warnings, positive_int, seed, utf8_stdout
 
 class UsageError(ValueError):
     """A bad argument found after parsing; one line."""
@@ -151,6 +151,7 @@ def choose_prompts(args: argparse.Namespace, vocab) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    utf8_stdout()
     with warnings.catch_warnings():
         warnings.showwarning = one_line_warnings()  # minagi's (the grouped-GEMM probe's): one line each
         return _main(args)

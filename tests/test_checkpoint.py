@@ -265,3 +265,30 @@ def test_a_model_to_write_with_maps_its_checkpoint_and_owns_its_weights(tmp_path
     (run.run_dir / "last.pt").unlink()
     for key, value in model.state_dict().items():
         assert value.data_ptr() != ckpt.model[key].data_ptr() and torch.equal(value, before[key])
+
+
+@pytest.mark.parametrize("platform", ["win32", "linux"])
+def test_a_file_held_open_elsewhere_is_replaced_once_it_is_let_go_on_windows(tmp_path, monkeypatch, platform):
+    """Windows refuses os.replace over a file another process has open (a reader of best.pt): the write
+    waits for it (a few retries), where POSIX never refuses and a PermissionError is a real one."""
+    from minagi import atomic
+    real, calls = os.replace, []
+
+    def held_twice(src, dst):
+        calls.append(dst)
+        if len(calls) <= 2:
+            raise PermissionError(13, "The process cannot access the file", str(dst))
+        real(src, dst)
+    monkeypatch.setattr(atomic.sys, "platform", platform)
+    monkeypatch.setattr(atomic.os, "replace", held_twice)
+    monkeypatch.setattr(atomic.time, "sleep", lambda s: None)
+    target = tmp_path / "best.pt"
+    target.write_text("old")
+    if platform == "linux":
+        with pytest.raises(PermissionError):
+            atomic.atomic_write(target, lambda tmp: tmp.write_text("new"))
+        assert target.read_text() == "old" and len(calls) == 1
+    else:
+        atomic.atomic_write(target, lambda tmp: tmp.write_text("new"))
+        assert target.read_text() == "new" and len(calls) == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["best.pt"]  # no temporary file left either way

@@ -57,3 +57,25 @@ def test_the_set_help_names_every_key_a_resume_may_change(capsys, monkeypatch):
         train_py.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"on --resume only {', '.join(RESUMABLE_KEYS)}" in help_text
+
+
+def test_written_text_goes_out_as_utf8_where_windows_would_write_its_code_page(monkeypatch, tmp_path):
+    """A redirected stdout on Windows is cp1252: a written character outside it would stop sample.py."""
+    import io
+
+    from minagi import cli
+    from minagi import evaluate as evaluate_py
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="cp1252")
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "platform", "win32")
+    cli.utf8_stdout()
+    print("→ ü", end="")
+    stream.flush()
+    assert raw.getvalue() == "→ ü".encode("utf-8")
+    called = []
+    for module in (sample_py, evaluate_py):
+        monkeypatch.setattr(module, "utf8_stdout", lambda name=module.__name__: called.append(name))
+    sample_py.main([str(tmp_path / "missing.pt")])
+    evaluate_py.main([str(tmp_path / "missing.pt"), "--data", str(tmp_path / "none.txt")])
+    assert called == ["minagi.sample", "minagi.evaluate"]

@@ -358,3 +358,19 @@ def test_nproc_per_node_under_torchrun_must_match_its_ranks(monkeypatch, capsys)
     assert train_py.main(["--nproc-per-node", "3"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --nproc-per-node 3, but torchrun started 2 ranks: leave --nproc-per-node out under torchrun"]
+
+
+@pytest.mark.parametrize("nccl, backend", [(True, "nccl"), (False, "gloo")], ids=["linux", "windows"])
+def test_a_gpu_rank_joins_through_nccl_where_torch_has_it_and_gloo_where_it_does_not(monkeypatch, nccl, backend):
+    """Windows builds of torch have no NCCL; a GPU rank there must still join (gloo)."""
+    import torch.distributed as dist
+
+    from minagi import distributed
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda name, **kw: calls.append((name, kw)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    info = distributed.RankInfo(rank=1, local_rank=1, world_size=2)
+    assert distributed.init_process_group(info, torch.device("cuda")) == torch.device("cuda", 1)
+    assert [name for name, _ in calls] == [backend] and ("device_id" in calls[0][1]) == nccl

@@ -321,3 +321,46 @@ def test_a_history_line_torn_by_a_kill_is_cut_off_on_resume_and_its_record_resto
     for a, b in zip(cut, ref):
         for key in ("train_loss", "aux_loss", "grad_norm", "heldout_loss", "lr", "chars_seen"):
             assert a[key] == pytest.approx(b[key], abs=1e-6), (a["step"], key)
+
+
+class _Windows:
+    """runlog as on Windows: run.lock locked through msvcrt (recorded), and an open file not deletable."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.open = [], set()
+        fake = type(sys)("msvcrt")
+        fake.LK_NBLCK, fake.LK_UNLCK = "lock", "unlock"
+        fake.locking = lambda fd, mode, n: self.calls.append((mode, fd))
+        monkeypatch.setitem(sys.modules, "msvcrt", fake)
+        monkeypatch.setattr(runlog.sys, "platform", "win32")
+        real_open, real_close, real_unlink = os.open, os.close, Path.unlink
+
+        def opened(path, *args):
+            fd = real_open(path, *args)
+            self.open.add((fd, Path(path).name))
+            return fd
+
+        def closed(fd):
+            self.calls.append(("close", fd))
+            self.open = {(f, n) for f, n in self.open if f != fd}
+            real_close(fd)
+
+        def unlink(path, missing_ok=False):
+            if any(name == path.name for _, name in self.open):
+                raise PermissionError(13, "The process cannot access the file because it is being used", str(path))
+            real_unlink(path, missing_ok=missing_ok)
+        monkeypatch.setattr(runlog.os, "open", opened)
+        monkeypatch.setattr(runlog.os, "close", closed)
+        monkeypatch.setattr(Path, "unlink", unlink)
+
+
+def test_on_windows_a_failed_start_unlocks_then_removes_its_folder(tmp_path, monkeypatch):
+    """Windows deletes no file held open, and frees a lock dropped at close only eventually: the lock
+    is undone, the descriptor closed, then run.lock and the folder removed."""
+    windows = _Windows(monkeypatch)
+    folder = RunFolder(tmp_path / "runs" / "bad-data")
+    folder.claim()
+    fd = folder._lock_fd
+    folder.close(discard_if_empty=True)
+    assert windows.calls == [("lock", fd), ("unlock", fd), ("close", fd)]
+    assert not (tmp_path / "runs" / "bad-data").exists()

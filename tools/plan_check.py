@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--one", profile, "--steps", str(args.steps),
                *[a for s in args.sets for a in ("--set", s)]]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            done = subprocess.run(cmd, capture_output=True, encoding="utf-8", errors="replace", timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
             results.append(json.loads(lines[-1]) if lines else
                            {"profile": profile, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]})
