@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import devices, distributed, parallel
 from .checkpoint import Checkpoint, restore_rng_state
-from .config import Config, ConfigError, check_cuda_graphs
+from .config import Config, ConfigError, check_cuda_graphs, uses_cuda_graphs
 from .dispatch import PADDED
 from .mlp import precision_dtype
 from .model import CharLM, build_model
@@ -74,8 +74,9 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     rank's expert slices), the optimizer and schedule; DDP or FSDP (minagi/parallel.py) and compile wrap
     the training forward. `init_frozen` False: frozen stacks are left to be loaded (resume, --init)."""
     tc = cfg.train
-    devices.check_compiler(tc.compile, device)
+    devices.check_compiler(tc.compile, device, tc.compile_backend)
     check_cuda_graphs(tc)
+    how = devices.Compile.of(tc)
     dtype = precision_dtype(tc.precision, device)
     layout = parallel.Layout(cfg, world_size, device)  # the meshes and the experts' exchange, if any
     torch.manual_seed(tc.seed)
@@ -83,10 +84,10 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
                         compiled=tc.compile is True,
                         experts=cfg.experts, init_frozen=init_frozen, checkpoint_rows=tc.checkpoint_rows,
                         count_reducer=distributed.all_reduce_sum if world_size > 1 else None,
-                        compiled_regions=tc.compile_mode if tc.compile == "rows" else None, log=log, dtype=dtype,
+                        compiled_regions=how if tc.compile == "rows" else None, log=log, dtype=dtype,
                         exchange=layout.exchange)
     _warn_whole_step_on_padded_paths(tc.compile, model, device, log)
-    if tc.compile == "rows" and tc.compile_mode == "reduce-overhead":
+    if tc.compile == "rows" and uses_cuda_graphs(tc):
         # Each row's graphs are replayed while the rows before it still await their backward, which
         # keeps cudagraph trees off their fast path and makes them say so once; expected here, and the
         # replays are still the gain (docs/benchmarks.md section 22).
@@ -98,7 +99,7 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
     schedule = Schedule(total=tc.steps, warmup=tc.warmup_steps, min_ratio=tc.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, as_function(schedule))
     ddp = forward if isinstance(forward, torch.nn.parallel.DistributedDataParallel) else None
-    forward = torch.compile(forward, mode=tc.compile_mode) if tc.compile is True else forward
+    forward = how(forward) if tc.compile is True else forward
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dropout_seed = (tc.seed * 7919 + rank) % 2**62 if cfg.model.dropout > 0 or cfg.pool.expert_dropout > 0 else None
     scaler = torch.amp.GradScaler(device.type, init_scale=INIT_LOSS_SCALE) if dtype == torch.float16 else None

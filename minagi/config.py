@@ -320,6 +320,10 @@ class TrainConfig(_Section):
     # "reduce-overhead" replays the compiled graphs as CUDA graphs (GPU only): far fewer launches where
     # the host sets the step's pace (docs/benchmarks.md section 22).
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    # torch.compile's backend: "inductor" fuses kernels (Triton on a GPU, C++ on the CPU); "cudagraphs"
+    # fuses nothing and replays the traced regions (or step) as CUDA graphs of torch's own kernels: no
+    # Triton needed (Windows, ROCm on Windows), a GPU needed (docs/benchmarks.md section 24).
+    compile_backend: Literal["inductor", "cudagraphs"] = "inductor"
     checkpoint_rows: bool = False  # recompute each row in backward (torch.utils.checkpoint, non-reentrant)
     # Autocast's dtype: auto = bf16 where the device has it natively, else fp32; fp16 scales the loss
     # (torch's GradScaler) and skips a step whose gradients overflow.
@@ -349,6 +353,9 @@ class TrainConfig(_Section):
         _require(not (self.checkpoint_rows and self.compile is True), "train.checkpoint_rows", self.checkpoint_rows,
                  "a whole-step compile (train.compile = true) does not recompute rows: the replay's memo is not "
                  "traced; use train.compile = \"rows\" or false with row checkpointing", ("train.compile",))
+        _require(self.compile_backend == "inductor" or self.compile_mode == "default", "train.compile_mode",
+                 self.compile_mode, f"a mode is inductor's; with train.compile_backend = \"{self.compile_backend}\" "
+                 "leave it \"default\" (that backend replays CUDA graphs already)", ("train.compile_backend",))
         _require(self.out_dir != "", "train.out_dir", self.out_dir,
                  "must name a folder (e.g. \"runs\")")
         _require(self.run_name not in (".", "..") and not re.search(r"[/\\]", self.run_name),
@@ -357,22 +364,31 @@ class TrainConfig(_Section):
 
 
 def check_cuda_graphs(train: TrainConfig) -> None:
-    """CUDA graphs of a compiled step (train.compile_mode = "reduce-overhead") replay one forward and its
-    backward at a time. Refused in one line when a run is built, not when a stored config is read, so a
-    run folder saved before this check still loads, writes and resumes (with another compile_mode):
+    """CUDA graphs of a compiled step (train.compile_mode = "reduce-overhead", or train.compile_backend =
+    "cudagraphs") replay one forward and its backward at a time. Refused in one line when a run is built,
+    not when a stored config is read, so a run folder saved before this check still loads, writes and
+    resumes (with another compile_mode):
       - gradient accumulation: a backward graph's output becomes a parameter's .grad, and the next
         micro-batch's replay overwrites it (torch issue 169545: an error, on some versions a wrong sum);
       - row checkpointing under "rows": a recompute would call a forward graph inside backward."""
-    if train.compile is False or train.compile_mode != "reduce-overhead":
+    if train.compile is False or not uses_cuda_graphs(train):
         return
+    key = "train.compile_backend" if train.compile_backend == "cudagraphs" else "train.compile_mode"
+    value, plain = ((train.compile_backend, 'train.compile_backend = "inductor"') if key == "train.compile_backend"
+                    else (train.compile_mode, 'train.compile_mode = "default"'))
     rules = [("accum_steps", train.accum_steps > 1, "a micro-batch's gradients, outputs of a graph, are overwritten "
               "by the next micro-batch's replay (torch issue 169545)")]
     if train.compile == "rows":
         rules.append(("checkpoint_rows", train.checkpoint_rows, "a checkpointed row's recompute cannot replay them"))
-    for key, on, why in rules:
-        value = str(getattr(train, key)).lower()  # as TOML writes it
-        _require(not on, "train.compile_mode", train.compile_mode, f"with CUDA graphs {why}; use "
-                 f"train.compile_mode = \"default\" with train.{key} = {value}", ("train.compile", f"train.{key}"))
+    for setting, on, why in rules:
+        toml = str(getattr(train, setting)).lower()  # as TOML writes it
+        _require(not on, key, value, f"with CUDA graphs {why}; use {plain} with train.{setting} = {toml}",
+                 ("train.compile", f"train.{setting}"))
+
+
+def uses_cuda_graphs(train: TrainConfig) -> bool:
+    """Whether what train.compile compiles is replayed as CUDA graphs (torch's cudagraph trees)."""
+    return train.compile_mode == "reduce-overhead" or train.compile_backend == "cudagraphs"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -495,6 +511,7 @@ RESUMABLE_KEYS = (
     "train.steps",      # extending a run
     "train.compile",    # the same model through compiled kernels
     "train.compile_mode",
+    "train.compile_backend",
     "pool.sink_ratio",  # reporting only: which loads the diagnostics call sinks
     "pool.swiglu",      # the same function through other kernels
     "data.path",        # where the corpus is now: its content must be the run's (checked on resume)

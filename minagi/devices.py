@@ -7,6 +7,7 @@ once, at the first CUDA allocation, so there is no other way to hand them over i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import warnings
@@ -16,8 +17,8 @@ import torch
 
 from .mlp import device_compute_dtype
 
-__all__ = ["DeviceError", "check_compiler", "alloc_conf_env_names", "apply_alloc_conf", "apply_memory_cap", "autocast", "choose_device",
-           "device_name", "host_syncs", "memory_stats", "rss_bytes"]
+__all__ = ["Compile", "DeviceError", "check_compiler", "triton_less_defaults", "alloc_conf_env_names", "apply_alloc_conf",
+           "apply_memory_cap", "autocast", "choose_device", "device_name", "host_syncs", "memory_stats", "rss_bytes"]
 
 # Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
 # ROCm builds PYTORCH_HIP_ALLOC_CONF. Setting a name a given build does not read is harmless, and
@@ -190,13 +191,58 @@ def has_triton() -> bool:
     return torch_has_triton()
 
 
-def check_compiler(compile_setting, device: torch.device) -> None:
-    """`train.compile` on a GPU needs Triton (inductor writes its GPU kernels in it): where it is missing
-    (Windows, most ROCm on Windows) refuse at start, in one line, rather than fail at the first step.
-    The CPU compiles through inductor's C++ backend and needs no Triton."""
-    if compile_setting is False or torch.device(device).type != "cuda" or has_triton():
+def check_compiler(compile_setting, device: torch.device, backend: str = "inductor") -> None:
+    """`train.compile` on a GPU through inductor needs Triton (inductor writes its GPU kernels in it):
+    where it is missing (Windows, most ROCm on Windows) refuse at start, in one line, rather than fail at
+    the first step. The CPU compiles through inductor's C++ backend and needs no Triton. The
+    "cudagraphs" backend writes no kernels (no Triton) but replays CUDA graphs: a GPU only."""
+    if compile_setting is False:
         return
     from .config import ConfigError
-    raise ConfigError(f"train.compile = {'true' if compile_setting is True else repr(compile_setting)}: torch.compile "
-                      "writes its GPU kernels in Triton, which this Python does not have (Windows and most ROCm "
-                      "builds on Windows ship none); set train.compile = false, or install Triton", "train.compile")
+    setting = f"train.compile = {'true' if compile_setting is True else repr(compile_setting)}"
+    on_gpu = torch.device(device).type == "cuda"
+    if backend == "cudagraphs" and not on_gpu:
+        raise ConfigError(f'{setting} with train.compile_backend = "cudagraphs": it replays CUDA graphs, which '
+                          f'need a GPU ({torch.device(device).type} here); use train.compile_backend = "inductor"',
+                          "train.compile_backend")
+    if backend != "inductor" or not on_gpu or has_triton():
+        return
+    raise ConfigError(f"{setting}: torch.compile writes its GPU kernels in Triton, which this Python does not "
+                      "have (Windows and most ROCm builds on Windows ship none); set train.compile = \"rows\" with "
+                      "train.compile_backend = \"cudagraphs\" and train.compile_mode = \"default\" (CUDA graphs of "
+                      "torch's kernels, no Triton), or train.compile = false, or install Triton", "train.compile")
+
+
+def triton_less_defaults() -> tuple[list[str], str | None]:
+    """The built-in default profile on a GPU (cuda_small) compiles the whole step through inductor, which
+    needs Triton. Where there is none: (the --set items that replace its compile settings, one line
+    saying so), else ([], None). On NVIDIA each row's attention and router replayed as CUDA graphs of
+    torch's kernels (the cudagraphs backend: 1.33x the eager step on the H200 standing in,
+    docs/benchmarks.md section 24); on ROCm eager, since HIP graphs through torch on Windows were never
+    run here."""
+    if has_triton():
+        return [], None
+    if torch.version.hip:
+        return ["train.compile=false"], ("no Triton here: the default profile trains eagerly (train.compile = "
+                                         "false); --set train.compile=rows --set train.compile_backend=cudagraphs "
+                                         "--set train.compile_mode=default tries HIP graphs of the rows")
+    return (["train.compile=rows", "train.compile_mode=default", "train.compile_backend=cudagraphs"],
+            "no Triton here: the default profile replays each row's attention and router as CUDA graphs of "
+            "torch's kernels (train.compile = \"rows\", train.compile_backend = \"cudagraphs\") instead of "
+            "compiling the whole step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compile:
+    """How torch.compile builds a compiled region or step: train.compile_mode and train.compile_backend."""
+
+    mode: str = "default"
+    backend: str = "inductor"
+
+    @classmethod
+    def of(cls, train) -> "Compile":
+        """A TrainConfig's settings."""
+        return cls(train.compile_mode, train.compile_backend)
+
+    def __call__(self, fn: Callable, **kwargs) -> Callable:
+        return torch.compile(fn, mode=self.mode, backend=self.backend, **kwargs)

@@ -22,6 +22,7 @@ from torch import Tensor
 from . import recompute, rowmath
 from .config import ExpertsConfig, ModelConfig, PoolConfig
 from .dense import DenseMLP
+from .devices import Compile
 from .dispatch import resolve_dispatch
 from .experts import StackServices, build_stack, stack_services
 from .mlp import BalanceArgs, MLPAux, device_compute_dtype
@@ -65,11 +66,11 @@ class Row(nn.Module):
     """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin. `checkpointed`:
     recomputed in backward (row checkpointing, minagi/recompute.py). `compiled_regions`: the row's
     attention half (norm, attention, residual, the MLP's norm) and a dense twin's MLP run through
-    torch.compile in training calls, the expert dispatch eager (train.compile = "rows"); its value is
-    torch.compile's mode (train.compile_mode), None for no compiled regions."""
+    torch.compile in training calls, the expert dispatch eager (train.compile = "rows"); its value says
+    how (train.compile_mode and train.compile_backend), None for no compiled regions."""
 
     def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module], checkpointed: bool = False,
-                 compiled_regions: str | None = None):
+                 compiled_regions: Compile | None = None):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
@@ -79,10 +80,10 @@ class Row(nn.Module):
         self.checkpointed = checkpointed
         # Compiled lazily, at the first training call; shapes never change there, so it compiles once.
         # Evaluation (no grad) keeps the eager functions: no second graph for another grad mode.
-        mode = compiled_regions
-        self._compiled_half = torch.compile(self._attention_half, dynamic=False, mode=mode) if mode else None
-        self._compiled_mlp = (torch.compile(self.mlp.forward, dynamic=False, mode=mode)  # the method: no module
-                              if mode and isinstance(self.mlp, DenseMLP) else None)       # registered twice
+        how = compiled_regions
+        self._compiled_half = how(self._attention_half, dynamic=False) if how else None
+        self._compiled_mlp = (how(self.mlp.forward, dynamic=False)  # the method: no module registered twice
+                              if how and isinstance(self.mlp, DenseMLP) else None)
 
     def forward(self, x_BTD: Tensor, dropless: bool = False, step_counts_E: Tensor | None = None
                 ) -> tuple[Tensor, MLPAux]:
@@ -120,15 +121,15 @@ class CharLM(nn.Module):
     Built whole (`build_model` resolves the pieces for a device): `stacks`, the services each row's
     expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
     recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP);
-    `compiled_regions`, each row's attention half and router (or a dense twin's MLP) compiled in that
-    torch.compile mode (train.compile = "rows"; None: not compiled).
+    `compiled_regions`, each row's attention half and router (or a dense twin's MLP) compiled so
+    (train.compile = "rows"; None: not compiled).
     `stager`: the offload stager the frozen stacks are staged by (None without offload). `exchange`:
     expert parallelism's (minagi/exchange.py; `stacks` then builds this rank's slices of the cards).
     """
 
     def __init__(self, cfg: ModelConfig, pool: PoolConfig, vocab_size: int, path: str = "grouped",
                  dense_width: int = 0, *, stacks: StackServices | None = None, checkpoint_rows: bool = False,
-                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: str | None = None,
+                 count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: Compile | None = None,
                  exchange=None):
         super().__init__()
         self.cfg, self.pool_cfg, self.vocab_size = cfg, pool, vocab_size
@@ -206,7 +207,7 @@ class CharLM(nn.Module):
 def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: torch.device | str, *,
                 dense_width: int = 0, compiled: bool = False, experts: ExpertsConfig | None = None,
                 init_frozen: bool = True, checkpoint_rows: bool = False,
-                count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: str | None = None,
+                count_reducer: Callable[[Tensor], Tensor] | None = None, compiled_regions: Compile | None = None,
                 log: Callable[[str], None] | None = None, dtype: torch.dtype | None = None,
                 exchange=None, weights_loaded: bool = False) -> CharLM:
     """Build on `device`, resolving dispatch `auto` once for it and the compute dtype `dtype` (None:
@@ -217,8 +218,8 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     directly (a large pool is never built in fp32), given their pin policy and byte source by
     `experts.stack_services`; `init_frozen` False leaves them to be loaded.
     `checkpoint_rows`: rows recomputed in backward. `count_reducer`: DDP's sum of the balance counts.
-    `compiled_regions`: the torch.compile mode of the rows' attention halves and routers (or dense MLPs),
-    the dispatch eager (train.compile = "rows"); None: none compiled.
+    `compiled_regions`: how the rows' attention halves and routers (or dense MLPs) are compiled, the
+    dispatch eager (train.compile = "rows"; `devices.Compile`); None: none compiled.
     `exchange`: expert parallelism (minagi/exchange.py): each pool holds this rank's experts only.
     `weights_loaded`: every weight is loaded next (writing, evaluation): the modules are made on
     `device` directly, their random init done there (not the seeded CPU init a training run starts

@@ -142,7 +142,7 @@ def _resolve(cfg: Config, target: Target, world_size: int, vocab_size: int) -> _
                   fused_norm=target.fused_norm, math_attention=not target.gpu, frozen=x.frozen, quant=x.quant,
                   lora=x.lora_rank,
                   torch_dequant=not target.kernels, pad=pad, dropout=m.dropout > 0, z_loss=p.z_loss_coef > 0,
-                  expert_dropout=p.expert_dropout > 0, compiled=tc.compile and target.gpu)
+                  expert_dropout=p.expert_dropout > 0, compiled=tc.compile and target.gpu and tc.compile_backend == "inductor")
 
 
 def _eager_swiglu(setting: str, target: Target, c: int) -> bool:
@@ -555,7 +555,7 @@ def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[s
                      f"{cfg.pool.sink_ratio:g} x its fair share")
     if any(st.pinned):
         notes.append("replay pin: a row's dequantized stacks kept from its replay to its backward")
-    if cfg.train.compile:
+    if cfg.train.compile and cfg.train.compile_backend == "inductor":
         notes.append(f"compiled: rows save ~{COMPILED_SAVING_PER_D:g} x D bytes a character less (fitted on the H200)")
     return tuple(notes)
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from . import decode_step, recompute
 from .config import PoolConfig
 from .dense import DenseMLP
+from .devices import Compile
 from .dispatch import PADDED, RUNNERS, DispatchPlan, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import BalanceArgs, MLPAux, RouteCounts, compute_dtype
@@ -51,13 +52,13 @@ class PooledMLP(nn.Module):
     never routed, dropped or counted; decayed by `train.weight_decay` as the dense weights are.
 
     `compiled_route` (train.compile = "rows"): in training calls the router, its aux terms and the
-    dispatch plan, whose shapes never change, run through torch.compile in that mode
-    (train.compile_mode; `_route`); the experts stay eager, their shapes following the routing.
+    dispatch plan, whose shapes never change, run through torch.compile as it says (train.compile_mode
+    and train.compile_backend; `_route`); the experts stay eager, their shapes following the routing.
     """
 
     def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
                  count_reducer: Callable[[Tensor], Tensor] | None = None, exchange=None,
-                 compiled_route: str | None = None):
+                 compiled_route: Compile | None = None):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
@@ -70,8 +71,7 @@ class PooledMLP(nn.Module):
         self.router = router
         self.shared = self._shared_experts(d_model)
         self.reset_parameters()
-        self._compiled_route = (torch.compile(self._route_and_plan, dynamic=False, mode=compiled_route)
-                                if compiled_route else None)
+        self._compiled_route = compiled_route(self._route_and_plan, dynamic=False) if compiled_route else None
 
     def _shared_experts(self, d_model: int) -> DenseMLP | None:
         """The always-on experts as one SwiGLU of width shared_experts x d_expert; None without them

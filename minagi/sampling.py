@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from . import devices
 from .data import Vocab, VocabError
 from .compile_cache import CompileCache, PrecompiledPieces, aot_available, decode_key, record_compile_imports
 from .decode import EXPERT_PATHS, PIECES, Decoder, compiled_pieces, default_keep, inference, resolve_products
@@ -171,6 +172,9 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
         raise SamplingError(f"expert_path must be one of {', '.join(EXPERT_PATHS)}; got {expert_path!r}")
     if compiled and device.type != "cuda":
         raise SamplingError(f"a compiled step needs a CUDA device (Triton); writing runs on {device.type} here")
+    if compiled and not devices.has_triton():
+        raise SamplingError("a compiled step writes its kernels in Triton, which this Python does not have "
+                            "(Windows and most ROCm builds on Windows ship none); leave --compile out")
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
     return _write(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, window, keep, use_graphs,

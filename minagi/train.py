@@ -96,7 +96,14 @@ def resolve(args: argparse.Namespace) -> tuple:
     profile = args.profile
     if profile is None:
         import torch  # is_available() asks the driver; it allocates nothing, so the alloc conf still applies
+
+        from minagi import devices
         profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
+        if profile == "cuda_small":
+            sets, note = devices.triton_less_defaults()
+            args.sets = [*sets, *args.sets]  # a --set of the same key wins
+            if note:
+                warnings.warn(note, stacklevel=1)
     cfg = load_config(profile, args.sets)
     # Paths as absolute ones: run.json and the checkpoints must name the same files from anywhere.
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), cache_dir=absolute(cfg.data.cache_dir))
@@ -193,7 +200,7 @@ def _preflight(cfg):
     from minagi import devices, watch
     devices.apply_alloc_conf(cfg.memory.alloc_conf)
     device = devices.choose_device(cfg.train.device)
-    devices.check_compiler(cfg.train.compile, device)
+    devices.check_compiler(cfg.train.compile, device, cfg.train.compile_backend)
     watch.require(cfg.train.tensorboard)
     note = compile_note(cfg, device)
     if note:

@@ -72,11 +72,19 @@ def test_compile_without_triton_on_a_gpu_is_refused_at_start_in_one_line(monkeyp
     monkeypatch.setattr(devices, "has_triton", lambda: False)
     cuda = torch.device("cuda")  # the check needs no GPU: it runs before anything touches one
     for setting in (True, "rows"):
-        with pytest.raises(ConfigError, match=r"^train\.compile = .*Triton.*set train\.compile = false") as err:
+        with pytest.raises(ConfigError, match=r'^train\.compile = .*Triton.*set train\.compile = "rows" with '
+                                              r'train\.compile_backend = "cudagraphs" and train\.compile_mode = '
+                                              r'"default" .*or train\.compile = false') as err:
             devices.check_compiler(setting, cuda)
         assert "\n" not in str(err.value) and err.value.key == "train.compile"
+        devices.check_compiler(setting, cuda, "cudagraphs")  # CUDA graphs of torch's kernels: no Triton
     devices.check_compiler(False, cuda)                    # eager needs nothing
     devices.check_compiler(True, torch.device("cpu"))      # the CPU compiles through C++, not Triton
+    with pytest.raises(ConfigError, match=r'^train\.compile = .rows. with train\.compile_backend = "cudagraphs": '
+                                          r'.*need a GPU \(cpu here\); use train\.compile_backend = "inductor"$') as err:
+        devices.check_compiler("rows", torch.device("cpu"), "cudagraphs")
+    assert err.value.key == "train.compile_backend"
+    devices.check_compiler(False, torch.device("cpu"), "cudagraphs")  # nothing compiled: nothing to refuse
     cfg = load_config(None, TINY + ["train.compile=true", "train.device=cpu"])
     monkeypatch.setattr(devices, "has_triton", lambda: True)
     devices.check_compiler(cfg.train.compile, cuda)
@@ -90,6 +98,35 @@ def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(m
     code = train_py.main(["--profile", "cpu_tiny", "--set", "train.compile=rows", "--set", f"train.out_dir={tmp_path}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Triton" in err[0] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("hip", [None, "6.4"], ids=["nvidia", "rocm"])
+def test_the_default_profile_on_a_gpu_without_triton_trains_with_what_runs_there(monkeypatch, tmp_path, hip):
+    """The README's first command on a Triton-less GPU (Windows): cuda_small compiles the whole step
+    through inductor, refused there; the default instead takes the cudagraphs backend around the rows
+    (NVIDIA) or trains eagerly (ROCm), says so in one line, and the advice the refusal gives is a
+    config that loads."""
+    import argparse
+
+    from minagi import devices
+    from minagi import train as train_py
+    monkeypatch.setattr(devices, "has_triton", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    args = argparse.Namespace(profile=None, sets=["train.steps=7"], data=None, resume=None, run_name=None, init=None)
+    with pytest.warns(UserWarning, match="^no Triton here: ") as said:
+        cfg, profile = train_py.resolve(args)
+    assert profile == "cuda_small" and cfg.train.steps == 7
+    assert len([w for w in said if str(w.message).startswith("no Triton here")]) == 1
+    graphs = (cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode) == ("rows", "cudagraphs", "default")
+    assert graphs if hip is None else cfg.train.compile is False
+    devices.check_compiler(cfg.train.compile, torch.device("cuda"), cfg.train.compile_backend)  # not refused
+    args = argparse.Namespace(profile=None, sets=["train.compile=false"], data=None, resume=None, run_name=None,
+                              init=None)
+    with pytest.warns(UserWarning):
+        assert train_py.resolve(args)[0].train.compile is False  # the user's --set wins
+    monkeypatch.setattr(devices, "has_triton", lambda: True)
+    assert devices.triton_less_defaults() == ([], None)
 
 
 def test_train_py_refuses_cuda_graphs_with_micro_batches_before_the_run_folder_is_made(tmp_path, capsys):
@@ -136,19 +173,39 @@ def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(set
     assert first == compiled[:1] and compiled == pytest.approx(eager, rel=1e-4)
 
 
+def test_the_cudagraphs_backend_takes_every_region_and_computes_what_eager_does_on_the_cpu(monkeypatch):
+    """train.compile_backend = "cudagraphs" (no Triton): the rows' regions go to torch's cudagraphs backend,
+    which on the CPU runs their traced graphs plainly (it says so: a skip a graph); the losses are eager's.
+    (A run on the CPU is refused at start; the check is taken out here to reach the backend.)"""
+    from torch._dynamo.utils import counters
+
+    from minagi import assemble
+    monkeypatch.setattr(assemble.devices, "check_compiler", lambda *args: None)
+    sets = ["pool.dispatch=grouped"]
+    eager = losses(sets, "cpu", steps=3)
+    torch._dynamo.reset()
+    counters.clear()
+    traced = losses(sets + ["train.compile=rows", "train.compile_backend=cudagraphs"], "cpu", steps=3)
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 2 and counters["inductor"]["cudagraph_skips"] == 2
+    assert traced == pytest.approx(eager, rel=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["train.compile_mode=reduce-overhead", "train.compile_backend=cudagraphs"],
+                         ids=["inductor", "cudagraphs"])
 @pytest.mark.parametrize("sets", [[], ["model.mlp=dense"]], ids=["pooled", "dense"])
-def test_rows_with_cuda_graphs_compute_what_the_eager_step_does_and_compile_once(sets):
-    """train.compile_mode = "reduce-overhead" with "rows": the regions replayed as CUDA graphs, the
-    bucketed dispatch eager between them, the routing changing every step (two graphs: the attention
-    half, and the router with its plan or the dense MLP)."""
+def test_rows_with_cuda_graphs_compute_what_the_eager_step_does_and_compile_once(sets, backend):
+    """"rows" with CUDA graphs (inductor's reduce-overhead, or the cudagraphs backend: no Triton): the
+    regions replayed as CUDA graphs, the bucketed dispatch eager between them, the routing changing every
+    step (two graphs: the attention half, and the router with its plan or the dense MLP)."""
     grouped = ["pool.dispatch=grouped", *sets]
     eager = losses(grouped, "cuda", steps=6)
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    rows = grouped + ["train.compile=rows", "train.compile_mode=reduce-overhead"]
+    rows = grouped + ["train.compile=rows", backend]
     first = losses(rows, "cuda", steps=1)
     frames, made = counters["frames"]["total"], counters["stats"]["unique_graphs"]
     compiled = losses(rows, "cuda", steps=6)  # a new model: the same code, routing changing

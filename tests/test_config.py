@@ -219,6 +219,24 @@ def test_cuda_graphs_are_refused_when_a_run_is_built_but_a_stored_config_with_th
     check_cuda_graphs(load_config(str(write(tmp_path, toml.replace(setting, "")))).train)
 
 
+@pytest.mark.parametrize("compile_, setting", [('"rows"', "checkpoint_rows = true"), ("true", "accum_steps = 2")])
+def test_the_cudagraphs_backend_is_refused_where_cuda_graphs_are_naming_its_own_key(tmp_path, compile_, setting):
+    from minagi.config import check_cuda_graphs
+    toml = f'[train]\ncompile = {compile_}\ncompile_backend = "cudagraphs"\n{setting}\n'
+    msg = error_of(check_cuda_graphs, load_config(str(write(tmp_path, toml))).train)
+    assert msg.startswith('train.compile_backend = "cudagraphs" is impossible: with CUDA graphs') and "\n" not in msg
+    assert f'use train.compile_backend = "inductor" with train.{setting}' in msg
+    check_cuda_graphs(load_config(str(write(tmp_path, toml.replace(setting, "")))).train)
+
+
+def test_a_compile_mode_beside_the_cudagraphs_backend_is_refused_in_one_line(tmp_path):
+    toml = '[train]\ncompile = "rows"\ncompile_backend = "cudagraphs"\ncompile_mode = "reduce-overhead"\n'
+    msg = error_of(load_config, str(write(tmp_path, toml)))
+    assert 'train.compile_mode = "reduce-overhead" is impossible: a mode is inductor\'s' in msg and "\n" not in msg
+    assert load_config(str(write(tmp_path, toml.replace('"reduce-overhead"', '"default"')))).train.compile_backend \
+        == "cudagraphs"
+
+
 def test_invalid_toml_names_the_file_and_line(tmp_path):
     msg = error_of(load_config, str(write(tmp_path, "[model]\nn_rows = = 2\n")))
     assert "foo.toml: invalid TOML: " in msg

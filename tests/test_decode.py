@@ -471,6 +471,15 @@ def test_a_compiled_step_needs_cuda_and_resident_experts():
         Decoder(make_model("dense"), [0], CONTEXT, compiled=True)
 
 
+def test_a_compiled_step_without_triton_is_refused_before_anything_is_written(monkeypatch):
+    """Windows: the GPU is there, Triton is not; the refusal comes before the model is touched there."""
+    from minagi import devices
+    monkeypatch.setattr(devices, "has_triton", lambda: False)
+    with pytest.raises(sampling.SamplingError, match=r"^a compiled step writes its kernels in Triton, .*leave "
+                                                      r"--compile out$"):
+        next(iter(write(make_model("dense"), VOCAB, ["the "], 3, compiled=True, device=torch.device("cuda"))))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("kind", ["native", "triton", "grouped", "dense"])

@@ -186,7 +186,8 @@ def measure(cfg, profile: str, compile_on: str, args, device: torch.device, rate
            "step_ms": seconds / args.steps * 1e3, "gflop_per_char": flops_per_char(cfg, vocab) / 1e9,
            "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
            "vocab": vocab, "busiest_expert": busiest_expert(last["stats"]), "bytes_per_weight": persistent,
-           "optimizer_states": tc.optimizer_states, "precision": tc.precision, "compile_mode": tc.compile_mode}
+           "optimizer_states": tc.optimizer_states, "precision": tc.precision, "compile_mode": tc.compile_mode,
+           "compile_backend": tc.compile_backend}
     sites = host_syncs(one)  # one step more, after the timed ones
     out["syncs_per_step"] = len(sites)
     if args.sync_trace:
@@ -254,7 +255,9 @@ def main(argv=None) -> int:
             continue
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         peak = f"{r['peak_allocated_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if "peak_allocated_gib" in r else "-"
-        mode = "" if r["compile"] == "off" or r.get("compile_mode", "default") == "default" else f" ({r['compile_mode']})"
+        how = [r.get("compile_mode", "default"), r.get("compile_backend", "inductor")]
+        how = [w for w in how if w not in ("default", "inductor")]
+        mode = "" if r["compile"] == "off" or not how else f" ({', '.join(how)})"
         name = r["profile"] + (" (fsdp)" if r["parallel"] == "fsdp" else "")
         print(f"| {name} | {r['compile']}{mode} | {r['chars_per_s']:,.0f} | {r['step_ms']:.1f} | "
               f"{r['gflop_per_char']:.3f} | {mfu} | {r['syncs_per_step']} | {r['recompiles']} | {peak} | "
