@@ -214,22 +214,22 @@ def check_compiler(compile_setting, device: torch.device, backend: str = "induct
 
 
 def triton_less_defaults() -> tuple[list[str], str | None]:
-    """The built-in default profile on a GPU (cuda_small) compiles the whole step through inductor, which
-    needs Triton. Where there is none: (the --set items that replace its compile settings, one line
-    saying so), else ([], None). On NVIDIA each row's attention and router replayed as CUDA graphs of
-    torch's kernels (the cudagraphs backend: 1.33x the eager step on the H200 standing in,
+    """A profile that compiles through inductor (cuda_small, the default with a GPU) needs Triton. Where
+    there is none: (the --set items that replace its compile settings, the rest of a line saying so),
+    else ([], None). On NVIDIA each row's attention and router replayed as CUDA graphs of torch's
+    kernels (the cudagraphs backend: 1.23-1.37x the eager step on the H200 standing in,
     docs/benchmarks.md section 24); on ROCm eager, since HIP graphs through torch on Windows were never
     run here."""
     if has_triton():
         return [], None
     if torch.version.hip:
-        return ["train.compile=false"], ("no Triton here: the default profile trains eagerly (train.compile = "
-                                         "false); --set train.compile=rows --set train.compile_backend=cudagraphs "
-                                         "--set train.compile_mode=default tries HIP graphs of the rows")
+        return ["train.compile=false"], ("no Triton here, which its train.compile needs: trained eagerly instead "
+                                         "(--set train.compile=rows --set train.compile_backend=cudagraphs --set "
+                                         "train.compile_mode=default tries HIP graphs of the rows)")
     return (["train.compile=rows", "train.compile_mode=default", "train.compile_backend=cudagraphs"],
-            "no Triton here: the default profile replays each row's attention and router as CUDA graphs of "
-            "torch's kernels (train.compile = \"rows\", train.compile_backend = \"cudagraphs\") instead of "
-            "compiling the whole step")
+            "no Triton here, which its train.compile needs: each row's attention and router are replayed as "
+            "CUDA graphs of torch's kernels instead (train.compile = \"rows\", train.compile_backend = "
+            "\"cudagraphs\")")
 
 
 @dataclasses.dataclass(frozen=True)

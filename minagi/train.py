@@ -97,20 +97,34 @@ def resolve(args: argparse.Namespace) -> tuple:
     if profile is None:
         import torch  # is_available() asks the driver; it allocates nothing, so the alloc conf still applies
 
-        from minagi import devices
         profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
-        if profile == "cuda_small":
-            sets, note = devices.triton_less_defaults()
-            args.sets = [*sets, *args.sets]  # a --set of the same key wins
-            if note:
-                warnings.warn(note, stacklevel=1)
     cfg = load_config(profile, args.sets)
+    fallback = triton_less_compile(cfg, Path(profile).stem, args.sets)
+    if fallback:
+        cfg = load_config(profile, [*fallback, *args.sets])
     # Paths as absolute ones: run.json and the checkpoints must name the same files from anywhere.
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), cache_dir=absolute(cfg.data.cache_dir))
     cfg = dataclasses.replace(cfg, data=data)
     if args.run_name is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=args.run_name))
     return cfg, Path(profile).stem
+
+
+def triton_less_compile(cfg, profile: str, sets: list[str]) -> list[str]:
+    """A profile's compile through inductor on a GPU without Triton (cuda_small's, on Windows) cannot
+    run: the --set items of what runs there instead (`devices.triton_less_defaults`), said in one line.
+    A train.compile* of the user's own --set is honoured as given (and refused at start if it cannot run)."""
+    if (cfg.train.compile is False or cfg.train.compile_backend != "inductor" or cfg.train.device == "cpu"
+            or any(item.startswith("train.compile") for item in sets)):
+        return []
+    import torch
+    from minagi import devices
+    if not torch.cuda.is_available():
+        return []
+    fallback, why = devices.triton_less_defaults()
+    if why:
+        warnings.warn(f"{profile}: {why}", stacklevel=1)
+    return fallback
 
 
 def absolute(path: str) -> str:

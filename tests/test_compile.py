@@ -100,12 +100,13 @@ def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(m
     assert code == 2 and len(err) == 1 and "Triton" in err[0] and not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("profile", [None, "cuda_small"], ids=["default", "named"])
 @pytest.mark.parametrize("hip", [None, "6.4"], ids=["nvidia", "rocm"])
-def test_the_default_profile_on_a_gpu_without_triton_trains_with_what_runs_there(monkeypatch, tmp_path, hip):
+def test_a_profiles_compile_on_a_gpu_without_triton_becomes_what_runs_there(monkeypatch, hip, profile):
     """The README's first command on a Triton-less GPU (Windows): cuda_small compiles the whole step
-    through inductor, refused there; the default instead takes the cudagraphs backend around the rows
-    (NVIDIA) or trains eagerly (ROCm), says so in one line, and the advice the refusal gives is a
-    config that loads."""
+    through inductor, which cannot run there; it takes the cudagraphs backend around the rows instead
+    (NVIDIA) or trains eagerly (ROCm), says so in one line, and that config is not refused at start. A
+    train.compile* of the user's own --set is left as given."""
     import argparse
 
     from minagi import devices
@@ -113,20 +114,20 @@ def test_the_default_profile_on_a_gpu_without_triton_trains_with_what_runs_there
     monkeypatch.setattr(devices, "has_triton", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", hip)
-    args = argparse.Namespace(profile=None, sets=["train.steps=7"], data=None, resume=None, run_name=None, init=None)
-    with pytest.warns(UserWarning, match="^no Triton here: ") as said:
-        cfg, profile = train_py.resolve(args)
-    assert profile == "cuda_small" and cfg.train.steps == 7
-    assert len([w for w in said if str(w.message).startswith("no Triton here")]) == 1
+
+    def resolve(*sets):
+        args = argparse.Namespace(profile=profile, sets=list(sets), data=None, resume=None, run_name=None, init=None)
+        return train_py.resolve(args)[0]
+    with pytest.warns(UserWarning, match="^cuda_small: no Triton here, which its train.compile needs: ") as said:
+        cfg = resolve("train.steps=7")
+    assert cfg.train.steps == 7 and len([w for w in said if str(w.message).startswith("cuda_small: no")]) == 1
     graphs = (cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode) == ("rows", "cudagraphs", "default")
     assert graphs if hip is None else cfg.train.compile is False
     devices.check_compiler(cfg.train.compile, torch.device("cuda"), cfg.train.compile_backend)  # not refused
-    args = argparse.Namespace(profile=None, sets=["train.compile=false"], data=None, resume=None, run_name=None,
-                              init=None)
-    with pytest.warns(UserWarning):
-        assert train_py.resolve(args)[0].train.compile is False  # the user's --set wins
+    assert resolve("train.compile=true").train.compile_mode == "reduce-overhead"  # the user's own: as given
+    assert resolve("train.device=cpu").train.compile is True  # the CPU compiles through C++
     monkeypatch.setattr(devices, "has_triton", lambda: True)
-    assert devices.triton_less_defaults() == ([], None)
+    assert devices.triton_less_defaults() == ([], None) and resolve().train.compile is True
 
 
 def test_train_py_refuses_cuda_graphs_with_micro_batches_before_the_run_folder_is_made(tmp_path, capsys):

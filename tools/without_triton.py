@@ -1,0 +1,19 @@
+"""Run a script as on a machine without Triton (Windows, ROCm on Windows), on this one:
+
+    python tools/without_triton.py tools/bench_paired.py --profile strix_large --set pool.dispatch=grouped ...
+    python tools/without_triton.py train.py --profile cuda_small
+
+Triton is hidden before torch is imported (`import triton` fails, `find_spec("triton")` is None), so
+torch, inductor and minagi all take their Triton-less paths: the jiterator SwiGLU, the bucketed
+dispatch where torch has no grouped GEMM, a compile through inductor refused. How docs/benchmarks.md
+section 24 stood an H200 in for such a card.
+"""
+import runpy
+import sys
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python tools/without_triton.py SCRIPT [ARGS...]")
+    sys.modules["triton"] = None
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
