@@ -374,8 +374,8 @@ def check_cuda_graphs(train: TrainConfig) -> None:
     if train.compile is False or not uses_cuda_graphs(train):
         return
     key = "train.compile_backend" if train.compile_backend == "cudagraphs" else "train.compile_mode"
-    value, plain = ((train.compile_backend, 'train.compile_backend = "inductor"') if key == "train.compile_backend"
-                    else (train.compile_mode, 'train.compile_mode = "default"'))
+    value, plain = ((train.compile_backend, 'train.compile_backend = "inductor" (it needs Triton) or train.compile = '
+                     'false') if key == "train.compile_backend" else (train.compile_mode, 'train.compile_mode = "default"'))
     rules = [("accum_steps", train.accum_steps > 1, "a micro-batch's gradients, outputs of a graph, are overwritten "
               "by the next micro-batch's replay (torch issue 169545)")]
     if train.compile == "rows":

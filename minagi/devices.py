@@ -17,7 +17,7 @@ import torch
 
 from .mlp import device_compute_dtype
 
-__all__ = ["Compile", "DeviceError", "check_compiler", "triton_less_defaults", "alloc_conf_env_names", "apply_alloc_conf",
+__all__ = ["Compile", "DeviceError", "check_compiler", "triton_less_settings", "alloc_conf_env_names", "apply_alloc_conf",
            "apply_memory_cap", "autocast", "choose_device", "device_name", "host_syncs", "memory_stats", "rss_bytes"]
 
 # Current torch reads PYTORCH_ALLOC_CONF, older torch PYTORCH_CUDA_ALLOC_CONF and
@@ -213,23 +213,28 @@ def check_compiler(compile_setting, device: torch.device, backend: str = "induct
                       "torch's kernels, no Triton), or train.compile = false, or install Triton", "train.compile")
 
 
-def triton_less_defaults() -> tuple[list[str], str | None]:
-    """A profile that compiles through inductor (cuda_small, the default with a GPU) needs Triton. Where
-    there is none: (the --set items that replace its compile settings, the rest of a line saying so),
-    else ([], None). On NVIDIA each row's attention and router replayed as CUDA graphs of torch's
+def triton_less_settings(train) -> tuple[dict, str | None]:
+    """A compile through inductor (cuda_small's, the default profile with a GPU) needs Triton. Where
+    there is none: (the train settings that replace its compile ones, the rest of a line saying so),
+    else ({}, None). On NVIDIA each row's attention and router replayed as CUDA graphs of torch's
     kernels (the cudagraphs backend: 1.23-1.37x the eager step on the H200 standing in,
-    docs/benchmarks.md section 24); on ROCm eager, since HIP graphs through torch on Windows were never
-    run here."""
+    docs/benchmarks.md section 24), unless the run's CUDA graphs would be refused (gradient
+    accumulation, row checkpointing: `config.check_cuda_graphs`); else, and on ROCm (HIP graphs
+    through torch on Windows were never run here), eager."""
     if has_triton():
-        return [], None
+        return {}, None
+    needs = "no Triton here, which its train.compile needs"
     if torch.version.hip:
-        return ["train.compile=false"], ("no Triton here, which its train.compile needs: trained eagerly instead "
-                                         "(--set train.compile=rows --set train.compile_backend=cudagraphs --set "
-                                         "train.compile_mode=default tries HIP graphs of the rows)")
-    return (["train.compile=rows", "train.compile_mode=default", "train.compile_backend=cudagraphs"],
-            "no Triton here, which its train.compile needs: each row's attention and router are replayed as "
-            "CUDA graphs of torch's kernels instead (train.compile = \"rows\", train.compile_backend = "
-            "\"cudagraphs\")")
+        return {"compile": False}, (f"{needs}: trained eagerly instead (--set train.compile=rows --set "
+                                    "train.compile_backend=cudagraphs --set train.compile_mode=default tries "
+                                    "HIP graphs of the rows)")
+    if train.accum_steps > 1 or train.checkpoint_rows:
+        return {"compile": False}, (f"{needs}: trained eagerly instead (CUDA graphs of the rows, what runs "
+                                    "without Triton, do not run with train.accum_steps > 1 or "
+                                    "train.checkpoint_rows)")
+    return ({"compile": "rows", "compile_mode": "default", "compile_backend": "cudagraphs"},
+            f"{needs}: each row's attention and router are replayed as CUDA graphs of torch's kernels "
+            "instead (train.compile = \"rows\", train.compile_backend = \"cudagraphs\")")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -358,7 +358,10 @@ def _lock(path: Path) -> int:
         if sys.platform == "win32":
             _release(fd)  # Windows deletes no file held open
         if not existed:
-            path.unlink(missing_ok=True)  # (elsewhere still holding the lock: no other run is in it)
+            try:
+                path.unlink(missing_ok=True)  # (elsewhere still holding the lock: no other run is in it)
+            except OSError:
+                pass  # Windows: another process opened it once let go; the one-line error still follows
         if sys.platform != "win32":
             os.close(fd)
         raise _LockNotMade(_describe_os_error(path, err)) from None

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 # No torch in these two: a Ctrl-C while torch loads is ours to report.
-from minagi.cli import OneLineParser, one_line_warnings, positive_int
+from minagi.cli import OneLineParser, one_line_warnings, positive_int, utf8_stdout
 from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
 
 PLAN_TARGETS = ("sm90", "sm80", "sm75", "rocm", "cpu")  # minagi.plan.TARGETS (not imported here: no torch yet)
@@ -99,9 +99,6 @@ def resolve(args: argparse.Namespace) -> tuple:
 
         profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
     cfg = load_config(profile, args.sets)
-    fallback = triton_less_compile(cfg, Path(profile).stem, args.sets)
-    if fallback:
-        cfg = load_config(profile, [*fallback, *args.sets])
     # Paths as absolute ones: run.json and the checkpoints must name the same files from anywhere.
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), cache_dir=absolute(cfg.data.cache_dir))
     cfg = dataclasses.replace(cfg, data=data)
@@ -110,21 +107,21 @@ def resolve(args: argparse.Namespace) -> tuple:
     return cfg, Path(profile).stem
 
 
-def triton_less_compile(cfg, profile: str, sets: list[str]) -> list[str]:
-    """A profile's compile through inductor on a GPU without Triton (cuda_small's, on Windows) cannot
-    run: the --set items of what runs there instead (`devices.triton_less_defaults`), said in one line.
-    A train.compile* of the user's own --set is honoured as given (and refused at start if it cannot run)."""
-    if (cfg.train.compile is False or cfg.train.compile_backend != "inductor" or cfg.train.device == "cpu"
-            or any(item.startswith("train.compile") for item in sets)):
-        return []
-    import torch
+def triton_less_compile(cfg, device, profile: str, sets: list[str]):
+    """`cfg`, its train.compile made what runs here: a compile through inductor on a GPU without Triton
+    (cuda_small's, on Windows) cannot run, and takes `devices.triton_less_settings` instead, said in one
+    line. A train.compile or train.compile_backend of the user's own --set is honoured as given (and
+    refused if it cannot run); a train.compile_mode alone (as for accumulation) is not a choice of
+    compiler. Asked after the allocator's settings: whether Triton can run asks the GPU."""
     from minagi import devices
-    if not torch.cuda.is_available():
-        return []
-    fallback, why = devices.triton_less_defaults()
-    if why:
-        warnings.warn(f"{profile}: {why}", stacklevel=1)
-    return fallback
+    own = any(item.startswith(("train.compile=", "train.compile_backend=")) for item in sets)
+    if device.type != "cuda" or cfg.train.compile is False or cfg.train.compile_backend != "inductor" or own:
+        return cfg
+    settings, why = devices.triton_less_settings(cfg.train)
+    if not settings:
+        return cfg
+    warnings.warn(f"{profile}: {why}", stacklevel=1)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **settings))
 
 
 def absolute(path: str) -> str:
@@ -174,6 +171,7 @@ def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
     (`python -m minagi.train`, `minagi-train`): the module, as `python -m minagi.train`."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    utf8_stdout()  # the corpus's file names, the plan
     try:
         with warnings.catch_warnings():
             return _main(args, argv, entry)
@@ -207,19 +205,21 @@ _OOM_ADVICE = ("--plan shows where the memory goes: lower train.batch_size (rais
                "or keep frozen experts on the CPU with experts.offload = \"cpu\"")
 
 
-def _preflight(cfg):
-    """The device, chosen once (under DDP, the rank's GPU of it), after what must come before anything
-    touches the GPU (the allocator reads its settings at the first allocation) and the refusals that
-    must come before the run folder is made (no Triton for train.compile, no TensorBoard package)."""
+def _preflight(cfg, profile: str, sets: list[str]):
+    """(config, device): the device chosen once (under DDP, the rank's GPU of it), after what must come
+    before anything touches the GPU (the allocator reads its settings at the first allocation); a
+    compile that cannot run here made one that can (`triton_less_compile`); the refusals that must
+    come before the run folder is made (no Triton for train.compile, no TensorBoard package)."""
     from minagi import devices, watch
     devices.apply_alloc_conf(cfg.memory.alloc_conf)
     device = devices.choose_device(cfg.train.device)
+    cfg = triton_less_compile(cfg, device, profile, sets)
     devices.check_compiler(cfg.train.compile, device, cfg.train.compile_backend)
     watch.require(cfg.train.tensorboard)
     note = compile_note(cfg, device)
     if note:
         warnings.warn(note, stacklevel=1)
-    return device
+    return cfg, device
 
 
 def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
@@ -251,7 +251,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
             return 0
         if launching:
             return _launch(args.nproc_per_node, entry, argv)
-        device = _preflight(cfg)
+        cfg, device = _preflight(cfg, profile, args.sets)
         with distributed.process_group(ranks, device) as device:
             joined = True
             devices.apply_memory_cap(cfg.memory.gpu_cap_gib, device)

@@ -74,8 +74,9 @@ def test_written_text_goes_out_as_utf8_where_windows_would_write_its_code_page(m
     stream.flush()
     assert raw.getvalue() == "→ ü".encode("utf-8")
     called = []
-    for module in (sample_py, evaluate_py):
+    for module in (sample_py, evaluate_py, train_py):
         monkeypatch.setattr(module, "utf8_stdout", lambda name=module.__name__: called.append(name))
     sample_py.main([str(tmp_path / "missing.pt")])
     evaluate_py.main([str(tmp_path / "missing.pt"), "--data", str(tmp_path / "none.txt")])
-    assert called == ["minagi.sample", "minagi.evaluate"]
+    train_py.main(["--resume", str(tmp_path / "missing")])
+    assert called == ["minagi.sample", "minagi.evaluate", "minagi.train"]

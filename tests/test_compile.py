@@ -105,29 +105,43 @@ def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(m
 def test_a_profiles_compile_on_a_gpu_without_triton_becomes_what_runs_there(monkeypatch, hip, profile):
     """The README's first command on a Triton-less GPU (Windows): cuda_small compiles the whole step
     through inductor, which cannot run there; it takes the cudagraphs backend around the rows instead
-    (NVIDIA) or trains eagerly (ROCm), says so in one line, and that config is not refused at start. A
-    train.compile* of the user's own --set is left as given."""
+    (NVIDIA) or trains eagerly (ROCm; or where CUDA graphs are refused), says so in one line, and that
+    config is not refused at start. A train.compile* of the user's own --set is left as given. Triton
+    is asked after the allocator's settings (asking it starts CUDA), never by resolve (--plan, the
+    --nproc-per-node launcher)."""
     import argparse
 
     from minagi import devices
     from minagi import train as train_py
-    monkeypatch.setattr(devices, "has_triton", lambda: False)
+    order = []
+    monkeypatch.setattr(devices, "has_triton", lambda: order.append("has_triton") or False)
+    monkeypatch.setattr(devices, "apply_alloc_conf", lambda conf: order.append("alloc_conf"))
+    monkeypatch.setattr(devices, "choose_device", lambda requested, option="train.device": torch.device(
+        "cpu" if requested == "cpu" else "cuda"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", hip)
 
-    def resolve(*sets):
+    def preflight(*sets):
+        order.clear()
         args = argparse.Namespace(profile=profile, sets=list(sets), data=None, resume=None, run_name=None, init=None)
-        return train_py.resolve(args)[0]
+        cfg, name = train_py.resolve(args)
+        assert not order  # resolve asks nothing of the GPU
+        cfg = train_py._preflight(cfg, name, args.sets)[0]
+        assert order[:1] == ["alloc_conf"]
+        return cfg
     with pytest.warns(UserWarning, match="^cuda_small: no Triton here, which its train.compile needs: ") as said:
-        cfg = resolve("train.steps=7")
+        cfg = preflight("train.steps=7")
     assert cfg.train.steps == 7 and len([w for w in said if str(w.message).startswith("cuda_small: no")]) == 1
     graphs = (cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode) == ("rows", "cudagraphs", "default")
     assert graphs if hip is None else cfg.train.compile is False
-    devices.check_compiler(cfg.train.compile, torch.device("cuda"), cfg.train.compile_backend)  # not refused
-    assert resolve("train.compile=true").train.compile_mode == "reduce-overhead"  # the user's own: as given
-    assert resolve("train.device=cpu").train.compile is True  # the CPU compiles through C++
+    with pytest.warns(UserWarning, match="trained eagerly instead"):
+        assert preflight("train.accum_steps=2").train.compile is False  # CUDA graphs would be refused
+    from minagi.config import ConfigError
+    with pytest.raises(ConfigError, match="Triton"):
+        preflight("train.compile=true")  # the user's own: as given, and refused
+    assert preflight("train.device=cpu").train.compile is True  # the CPU compiles through C++
     monkeypatch.setattr(devices, "has_triton", lambda: True)
-    assert devices.triton_less_defaults() == ([], None) and resolve().train.compile is True
+    assert preflight().train.compile is True and devices.triton_less_settings(cfg.train) == ({}, None)
 
 
 def test_train_py_refuses_cuda_graphs_with_micro_batches_before_the_run_folder_is_made(tmp_path, capsys):

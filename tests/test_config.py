@@ -225,7 +225,7 @@ def test_the_cudagraphs_backend_is_refused_where_cuda_graphs_are_naming_its_own_
     toml = f'[train]\ncompile = {compile_}\ncompile_backend = "cudagraphs"\n{setting}\n'
     msg = error_of(check_cuda_graphs, load_config(str(write(tmp_path, toml))).train)
     assert msg.startswith('train.compile_backend = "cudagraphs" is impossible: with CUDA graphs') and "\n" not in msg
-    assert f'use train.compile_backend = "inductor" with train.{setting}' in msg
+    assert f'use train.compile_backend = "inductor" (it needs Triton) or train.compile = false with train.{setting}' in msg
     check_cuda_graphs(load_config(str(write(tmp_path, toml.replace(setting, "")))).train)
 
 

@@ -9,7 +9,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_the_script_sees_no_triton_and_gets_its_arguments(tmp_path):
     script = tmp_path / "probe.py"
+    (tmp_path / "sibling.py").write_text("WHERE = 'beside the script'\n")
     script.write_text("import importlib.util, sys\n"
+                      "import sibling  # importable as `python probe.py` makes it\n"
                       "import torch.utils._triton as t\n"
                       "from minagi import devices, swiglu\n"
                       "print(sys.argv[1:], importlib.util.find_spec('triton'), t.has_triton_package(), "

@@ -6,8 +6,10 @@
 Triton is hidden before torch is imported (`import triton` fails, `find_spec("triton")` is None), so
 torch, inductor and minagi all take their Triton-less paths: the jiterator SwiGLU, the bucketed
 dispatch where torch has no grouped GEMM, a compile through inductor refused. How docs/benchmarks.md
-section 24 stood an H200 in for such a card.
+section 24 stood an H200 in for such a card. Ranks that train.py --nproc-per-node launches are new
+processes, which see Triton again.
 """
+import os
 import runpy
 import sys
 
@@ -16,4 +18,5 @@ if __name__ == "__main__":
         sys.exit("usage: python tools/without_triton.py SCRIPT [ARGS...]")
     sys.modules["triton"] = None
     sys.argv = sys.argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` would have it
     runpy.run_path(sys.argv[0], run_name="__main__")
