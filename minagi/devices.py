@@ -194,8 +194,9 @@ def has_triton() -> bool:
 def check_compiler(compile_setting, device: torch.device, backend: str = "inductor") -> None:
     """`train.compile` on a GPU through inductor needs Triton (inductor writes its GPU kernels in it):
     where it is missing (Windows, most ROCm on Windows) refuse at start, in one line, rather than fail at
-    the first step. The CPU compiles through inductor's C++ backend and needs no Triton. The
-    "cudagraphs" backend writes no kernels (no Triton) but replays CUDA graphs: a GPU only."""
+    the first step. The CPU compiles through inductor's C++ backend and needs no Triton, but a C++
+    compiler, which Windows does not have unless installed and put on PATH. The "cudagraphs" backend
+    writes no kernels (no Triton) but replays CUDA graphs: a GPU only."""
     if compile_setting is False:
         return
     from .config import ConfigError
@@ -205,12 +206,23 @@ def check_compiler(compile_setting, device: torch.device, backend: str = "induct
         raise ConfigError(f'{setting} with train.compile_backend = "cudagraphs": it replays CUDA graphs, which '
                           f'need a GPU ({torch.device(device).type} here); use train.compile_backend = "inductor"',
                           "train.compile_backend")
+    if backend == "inductor" and not on_gpu and sys.platform == "win32" and not _windows_cpp_compiler():
+        raise ConfigError(f"{setting} on the CPU: inductor compiles C++ there, and on Windows finds no C++ compiler "
+                          "on PATH (MSVC's cl from vcvars64.bat or a Developer Command Prompt, clang-cl or Intel's "
+                          "icx); set train.compile = false, or open a shell with one", "train.compile")
     if backend != "inductor" or not on_gpu or has_triton():
         return
     raise ConfigError(f"{setting}: torch.compile writes its GPU kernels in Triton, which this Python does not "
                       "have (Windows and most ROCm builds on Windows ship none); set train.compile = \"rows\" with "
                       "train.compile_backend = \"cudagraphs\" and train.compile_mode = \"default\" (CUDA graphs of "
                       "torch's kernels, no Triton), or train.compile = false, or install Triton", "train.compile")
+
+
+def _windows_cpp_compiler() -> str | None:
+    """A C++ compiler inductor's CPU backend can use on Windows (pytorch.org's "torch.compile on Windows
+    CPU/XPU"), found on PATH; None if there is none (a plain Windows shell has none)."""
+    import shutil
+    return next((found for name in ("cl", "clang-cl", "icx") if (found := shutil.which(name))), None)
 
 
 def triton_less_settings(train) -> tuple[dict, str | None]:

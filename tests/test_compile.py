@@ -90,6 +90,25 @@ def test_compile_without_triton_on_a_gpu_is_refused_at_start_in_one_line(monkeyp
     devices.check_compiler(cfg.train.compile, cuda)
 
 
+def test_compile_on_a_windows_cpu_without_a_cpp_compiler_is_refused_at_start_in_one_line(monkeypatch):
+    import shutil
+
+    from minagi import devices
+    from minagi.config import ConfigError
+    monkeypatch.setattr(devices.sys, "platform", "win32")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^train\.compile = true on the CPU: .*no C\+\+ compiler on PATH .*"
+                                          r"set train\.compile = false") as err:
+        devices.check_compiler(True, torch.device("cpu"))
+    assert "\n" not in str(err.value) and err.value.key == "train.compile"
+    devices.check_compiler(False, torch.device("cpu"))  # eager needs none
+    monkeypatch.setattr(shutil, "which", lambda name: "C:/llvm/bin/clang-cl.exe" if name == "clang-cl" else None)
+    devices.check_compiler("rows", torch.device("cpu"))
+    monkeypatch.setattr(devices.sys, "platform", "linux")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    devices.check_compiler(True, torch.device("cpu"))  # elsewhere inductor finds its compiler itself
+
+
 def test_train_py_refuses_compile_without_triton_before_the_run_folder_is_made(monkeypatch, tmp_path, capsys):
     from minagi import train as train_py
     from minagi import devices
