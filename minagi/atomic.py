@@ -37,13 +37,21 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# The process's umask, read once at import (reading it means setting it): what a plain open() leaves.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], durable: bool = True) -> None:
     """write(tmp) beside `path`, then rename tmp over `path`. `durable`: fsync the file and the
-    directory (a cache that can be rebuilt may skip it). `write` must create the file at `tmp`."""
+    directory (a cache that can be rebuilt may skip it). `write` must create the file at `tmp`; it gets
+    the permissions a plain open() gives, whatever `write` made (safetensors makes its files 0600: an
+    exported model others could not read)."""
     path = Path(path)
     tmp = temp_path(path)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

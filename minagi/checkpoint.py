@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import zipfile
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -141,6 +142,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: not a file (a checkpoint is one .pt file)")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; torch.load's own error advises
+        size = path.stat().st_size    # re-saving it with an option, which misleads here
+        raise CheckpointError(f"{path}: not a torch checkpoint ({'an empty file' if size == 0 else 'not a zip archive'}"
+                              f"{'' if size == 0 else ', or truncated before its end'}; {size:,} bytes)")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:      # torch raises RuntimeError / UnpicklingError / EOFError / ... here

@@ -636,13 +636,20 @@ def available_profiles() -> list[str]:
 
 
 def resolve_profile(name_or_path: str) -> Path:
-    """A path to an existing file, else ``profiles/<name>.toml``, else ConfigError listing names."""
+    """A path to an existing file (its .toml may be left off), else ``profiles/<name>.toml``, else
+    ConfigError listing names."""
     given = Path(name_or_path)
     if given.is_file():
         return given
     stem = name_or_path[:-len(".toml")] if name_or_path.endswith(".toml") else name_or_path
+    if "/" in stem or "\\" in stem:  # a path, not a name
+        with_suffix = Path(f"{stem}.toml")
+        if with_suffix.is_file():
+            return with_suffix
+        raise ConfigError(f"unknown profile '{name_or_path}': no such file, nor {with_suffix} (a name without a "
+                          f"folder is one of: {', '.join(available_profiles())})")
     candidate = PROFILES_DIR / f"{stem}.toml"
-    if "/" not in stem and "\\" not in stem and candidate.is_file():
+    if candidate.is_file():
         return candidate
     raise ConfigError(f"unknown profile '{name_or_path}': no such file and no "
                       f"{_display(candidate)} (available: {', '.join(available_profiles())})")
@@ -728,10 +735,10 @@ def apply_overrides(cfg: Config, overrides: Sequence[str], *, fit_warmup: bool =
     train = d["train"]
     if (fit_warmup and "train.steps" in set_keys and "train.warmup_steps" not in set_keys
             and isinstance(train["steps"], int) and train["warmup_steps"] > train["steps"] >= 1):
-        fitted = train["steps"] // 10
+        fitted = max(1, train["steps"] // 10)  # at least one: "over 0 steps" read as no warm-up at all
         warnings.warn(f"train.warmup_steps = {train['warmup_steps']} exceeds train.steps = {train['steps']}: "
-                      f"warming up over {fitted} steps (a tenth of them) instead; --set "
-                      "train.warmup_steps to choose", ConfigNote, stacklevel=2)
+                      f"warming up over {fitted} step{'s' if fitted > 1 else ''} (a tenth of them, at least one) "
+                      "instead; --set train.warmup_steps to choose", ConfigNote, stacklevel=2)
         train["warmup_steps"] = fitted
     try:
         return _from_dict(d)

@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     utf8_stdout()  # the report names characters outside the vocabulary
     try:
         device = devices.choose_device(args.device, "--device")
-        model, vocab, ckpt = load_trained(resolve_model_path(args.checkpoint), device)
+        source = resolve_model_path(args.checkpoint)  # a run folder: its best.pt, else last.pt
+        model, vocab, ckpt = load_trained(source, device)
         context = ckpt.config.model.context
         stride = max(1, context // 2) if args.stride is None else args.stride
         if not 1 <= stride <= context:
@@ -229,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no character could be scored in {', '.join(texts)} (every piece between "
               "characters outside the vocabulary is shorter than 2)", file=sys.stderr)
         return 2
-    print(f"checkpoint {args.checkpoint} (step {'?' if ckpt.step is None else ckpt.step}): context {context}, stride "
+    print(f"checkpoint {source} (step {'?' if ckpt.step is None else ckpt.step}): context {context}, stride "
           f"{stride}, vocabulary {vocab.size} characters, device {device.type}")
     print(format_report(report))
     if args.json:
-        meta = {"checkpoint": args.checkpoint, "step": ckpt.step, "context": context,
+        meta = {"checkpoint": str(source), "step": ckpt.step, "context": context,
                 "stride": stride, "vocab_size": vocab.size, "device": device.type,
                 "strip_gutenberg": args.strip_gutenberg, "oov_policy": OOV_POLICY}
         try:

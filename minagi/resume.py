@@ -105,6 +105,17 @@ def load_run_corpus(data: DataConfig, vocab: Vocab | None, *, resumed: Path | No
                         "pointing at where it is now") from None
 
 
+def check_corpus_fits(corpus: Corpus, path: str, context: int) -> None:
+    """DataError, one line naming the text and what to change, when a split is shorter than one window
+    of model.context + 1 characters (a first try on one's own small file)."""
+    need = context + 1
+    for split, size in (("training", corpus.train_chars), ("held-out", corpus.heldout_chars)):
+        if size < need:
+            raise DataError(f"{path or 'the standard library'}: its {split} split has {size:,} characters, and "
+                            f"model.context = {context} needs at least {need:,}: use a longer text, or --set "
+                            f"model.context (smaller), or data.heldout_fraction (the held-out share)")
+
+
 def describe_corpus(corpus: Corpus, path: str) -> str:
     """One line for the start of a run: what it trains on and what it holds out."""
     where = path or "the standard library's .py files"

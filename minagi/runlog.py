@@ -213,6 +213,7 @@ class RunFolder:
         self.last_step: int | None = None  # the step last.pt holds, once known (written or resumed)
         self.removed: list[Path] = []      # temporary files of dead processes that `claim` removed
         self._lock_fd: int | None = None
+        self._made: list[Path] = []
 
     @property
     def last(self) -> Path:
@@ -236,12 +237,9 @@ class RunFolder:
         except OSError as err:
             raise RunFolderError(_describe_os_error(self.path, err)) from None
         except _LockNotMade:  # a full disk: leave none of the folders made for this run
-            for folder in made:
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break  # not empty: another process's now
+            _remove_empty(made)
             raise
+        self._made = made[1:]  # the folders above it made for it (out_dir), which a discard removes too
         self.removed = stale_temp_files(self.path)
         for p in self.removed:
             p.unlink(missing_ok=True)
@@ -317,7 +315,8 @@ class RunFolder:
             (self.path / "run.lock").unlink()
             self.path.rmdir()
         except OSError:
-            pass  # another process's run.lock appeared: the folder is theirs now
+            return  # another process's run.lock appeared: the folder is theirs now
+        _remove_empty(self._made)
 
     @staticmethod
     def _guard(path: Path, write, kept: str = "") -> None:
@@ -366,6 +365,15 @@ def _lock(path: Path) -> int:
             os.close(fd)
         raise _LockNotMade(_describe_os_error(path, err)) from None
     return fd
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders`, deepest first, up to the first that is not empty (another run's now)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def _release(fd: int) -> None:

@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, CorpusSummary
 from .config import Config, ConfigError, config_to_dict
 from .data import Corpus, heldout_batches
 from .loading import init_from_checkpoint
-from .resume import check_same_corpus, describe_corpus, load_run_corpus, open_checkpoint
+from .resume import check_corpus_fits, check_same_corpus, describe_corpus, load_run_corpus, open_checkpoint
 from .runlog import RunFolder
 
 __all__ = ["RunStart", "start_run"]
@@ -118,6 +118,7 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
                                     rank, world_size)
     if ckpt is not None:
         check_same_corpus(corpus, ckpt, cfg.data.path, folder.last)
+    check_corpus_fits(corpus, cfg.data.path, cfg.model.context)
     tc = cfg.train
     eval_batches = heldout_batches(corpus.heldout_ids, tc.batch_size, cfg.model.context, tc.eval_batches,
                                    tc.seed, rank, world_size)

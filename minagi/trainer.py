@@ -243,19 +243,22 @@ class Trainer:
     def _interrupts_wait_for_updates(self):
         """Ctrl-C during an optimizer update is held until the update and the step count agree again
         (milliseconds), then raised (`_step`): the handler saves the new step. Elsewhere it is raised at
-        once, as by Python's own handler (left alone off the main thread or where replaced)."""
-        def on_sigint(signum, frame):
+        once, as by Python's own handler (left alone off the main thread or where replaced). SIGTERM
+        (`kill`, `timeout`, a scheduler's time limit) is taken as a Ctrl-C, where nothing else handles it:
+        Python's default would end the process and lose the steps since the last checkpoint."""
+        def on_signal(signum, frame):
             if not self.training.updating:
                 raise KeyboardInterrupt
             self.held_interrupt = True
-        ours = threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        previous = signal.signal(signal.SIGINT, on_sigint) if ours else None
+        defaults = {signal.SIGINT: (signal.default_int_handler,), signal.SIGTERM: (signal.SIG_DFL, None)}
+        main = threading.current_thread() is threading.main_thread()
+        ours = {sig: signal.signal(sig, on_signal) for sig, plain in defaults.items()
+                if main and signal.getsignal(sig) in plain}
         try:
             yield
         finally:
-            if ours:
-                signal.signal(signal.SIGINT, previous)
+            for sig, previous in ours.items():
+                signal.signal(sig, previous)
 
     def _stop_early(self) -> bool:
         patience = self.cfg.train.early_stop_evals

@@ -80,3 +80,10 @@ def test_written_text_goes_out_as_utf8_where_windows_would_write_its_code_page(m
     evaluate_py.main([str(tmp_path / "missing.pt"), "--data", str(tmp_path / "none.txt")])
     train_py.main(["--resume", str(tmp_path / "missing")])
     assert called == ["minagi.sample", "minagi.evaluate", "minagi.train"]
+
+
+def test_the_readme_names_every_key_a_resume_may_change():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    sentence = readme[readme.index("On `--resume`\nonly what changes no weight may be set"):]
+    sentence = sentence[:sentence.index(".\n")]
+    assert [key for key in RESUMABLE_KEYS if f"`{key}`" not in sentence] == []

@@ -317,9 +317,11 @@ def test_an_impossible_combination_blames_the_set_of_a_key_of_its_rule_not_the_w
 def test_a_set_of_train_steps_below_the_profiles_warmup_fits_the_warmup_and_says_so(tmp_path):
     path = write(tmp_path, "[train]\nsteps = 500\nwarmup_steps = 50\n")
     with pytest.warns(ConfigNote, match=r"^train\.warmup_steps = 50 exceeds train\.steps = 40: warming up over "
-                                        r"4 steps \(a tenth of them\) instead"):
+                                        r"4 steps \(a tenth of them, at least one\) instead"):
         cfg = load_config(str(path), ["train.steps=40", "train.eval_every=10"])
     assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.eval_every) == (40, 4, 10)
+    with pytest.warns(ConfigNote, match=r"warming up over 1 step \(a tenth of them, at least one\)"):
+        assert load_config(str(path), ["train.steps=5", "train.eval_every=5"]).train.warmup_steps == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no note when the warmup fits, or was set too
         assert load_config(str(path), ["train.steps=60"]).train.warmup_steps == 50
@@ -345,6 +347,9 @@ def test_resolve_profile_takes_a_name_a_name_with_suffix_or_an_existing_path(tmp
     path = write(tmp_path, "[train]\nsteps = 5\nwarmup_steps = 0\n", name="mine.toml")
     assert resolve_profile(str(path)) == path
     assert load_config(str(path)).train.steps == 5
+    assert resolve_profile(str(tmp_path / "mine")) == path  # a path's .toml may be left off, as a name's
+    msg = error_of(resolve_profile, str(tmp_path / "yours"))
+    assert msg.startswith(f"unknown profile '{tmp_path / 'yours'}': no such file, nor {tmp_path / 'yours.toml'} ")
 
 
 def test_description_is_allowed_beside_the_sections(tmp_path):

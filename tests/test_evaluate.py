@@ -122,6 +122,10 @@ def test_cli_prints_the_table_and_writes_the_figures(ckpt, trained, tmp_path, ca
     assert printed[2].split()[:4] == [str(one), "500", "499", "0"]
     assert printed[4].split()[:4] == ["all", "537", "533", "1"]
     assert printed[-1] == f"wrote {out}"
+    assert evaluate.main([str(ckpt.parent), "--data", str(one), "--device", "cpu", "--json", str(out)]) == 0
+    said = capsys.readouterr().out.splitlines()[0]  # a run folder: the file it scored, best.pt or last.pt
+    resolved = evaluate.resolve_model_path(ckpt.parent)
+    assert said.startswith(f"checkpoint {resolved} (step") and json.loads(out.read_text())["checkpoint"] == str(resolved)
 
 
 def test_strip_gutenberg_scores_the_book_alone(ckpt, trained, tmp_path, capsys):

@@ -316,8 +316,8 @@ def _tensor_file(run_dir, tmp_path):
 
 @pytest.mark.parametrize("make, says", [
     (lambda run_dir, tmp_path: tmp_path / "missing.pt", "no such checkpoint file"),
-    (_half_file, "truncated or corrupt"),
-    (_text_file, "truncated or corrupt"),
+    (_half_file, "not a torch checkpoint (not a zip archive, or truncated before its end"),
+    (_text_file, "not a torch checkpoint (not a zip archive"),
     (_tensor_file, "not a minagi checkpoint"),
 ], ids=["missing", "truncated", "text-file", "plain-tensor"])
 def test_sample_py_bad_checkpoint_is_one_stderr_line_naming_the_file_and_exit_2(run_dir, tmp_path, make, says):

@@ -126,8 +126,8 @@ def test_lr_warms_up_linearly_then_follows_cosine_to_its_floor():
 
 
 def test_a_run_without_warmup_trains(tmp_path, data_path):
-    # What `--set train.steps=2` makes of a profile's warmup (a tenth of the steps: 0); it once divided
-    # by zero at the start of the run.
+    # What `--set train.steps=2` once made of a profile's warmup (a tenth of the steps: 0, now at least 1);
+    # it once divided by zero at the start of the run. train.warmup_steps = 0 of one's own is allowed.
     run = run_tiny(tmp_path, data_path, "train.steps=2", "train.eval_every=2", "train.warmup_steps=0")
     assert run.step == 2 and math.isfinite(run.heldout_loss)
 
@@ -164,18 +164,21 @@ def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp
     assert len(json.loads((first.run_dir / "run.json").read_text())["resumes"]) == 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_during_the_optimizer_update_saves_last_pt_at_that_step_and_resumes_exactly(tmp_path, data_path,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, sig):
     # The update takes milliseconds: a Ctrl-C in it waits for its end, then last.pt holds the new step
-    # (it used to save nothing: "interrupted during the update of step 3; last.pt is unchanged").
+    # (it used to save nothing: "interrupted during the update of step 3; last.pt is unchanged"). SIGTERM
+    # (kill, a scheduler's time limit) is a Ctrl-C: it used to end the process, the steps since the last
+    # checkpoint lost.
     extra = ("train.eval_every=4",)
     full = run_tiny(tmp_path, data_path, *extra, run_name="full")
     real_step, calls = torch.optim.AdamW.step, [0]
 
     def step(self, *args, **kwargs):
         calls[0] += 1
-        if calls[0] == 3:  # SIGINT from inside step 3's update, handled before its first parameter moves
-            os.kill(os.getpid(), signal.SIGINT)
+        if calls[0] == 3:  # the signal from inside step 3's update, handled before its first parameter moves
+            os.kill(os.getpid(), sig)
         return real_step(self, *args, **kwargs)
     lines = []
     with monkeypatch.context() as m:
@@ -185,7 +188,8 @@ def test_ctrl_c_during_the_optimizer_update_saves_last_pt_at_that_step_and_resum
     assert cut.interrupted and cut.step == 3 and len(cut.losses) == 3
     assert lines[-1] == f"interrupted: saved {cut.run_dir / 'last.pt'} at step 3; continue with --resume {cut.run_dir}"
     assert load_checkpoint(cut.run_dir / "last.pt")["step"] == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handlers are back
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     rest = train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
     assert cut.losses + rest.losses == full.losses and rest.heldout_loss == full.heldout_loss
 
@@ -687,7 +691,7 @@ def test_a_short_first_try_of_a_long_profile_fits_its_warmup_and_says_so(first_t
     train_cfg = json.loads((first_try["run_dir"] / "run.json").read_text())["config"]["train"]
     assert (train_cfg["steps"], train_cfg["warmup_steps"]) == (20, 2)  # cpu_tiny's 50, fitted
     assert ("warning: train.warmup_steps = 50 exceeds train.steps = 20: warming up over 2 steps (a tenth of "
-            "them) instead; --set train.warmup_steps to choose") in first_try["err"].splitlines()
+            "them, at least one) instead; --set train.warmup_steps to choose") in first_try["err"].splitlines()
 
 
 def test_minagi_warnings_are_one_stderr_line_each(first_try):
@@ -772,3 +776,15 @@ def test_the_flops_of_a_character_and_the_mfu_of_a_rate():
     assert flops.mfu(1e6, 1e6, 4.0, ranks=2) == pytest.approx(0.125)  # 1e12 FLOP/s of 2 x 4e12
     assert flops.mfu(1e6, None, 4.0) is None and flops.mfu(1e6, 1e6, None) is None
     assert flops.matmul_tflops(torch.device("cpu")) is None
+
+
+def test_a_text_too_small_for_the_context_is_one_line_naming_the_file_and_what_to_change(tmp_path, capsys):
+    """A first try on one's own small file: the error names it and the settings that fit it."""
+    from tiny import tiny_argv
+    small = tmp_path / "a.py"
+    small.write_text("print('hello world')\n" * 2)
+    assert train_py.main(tiny_argv(tmp_path, small)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {small}: its held-out split has 5 characters")
+    assert "model.context = 16 needs at least 17" in err[0] and "data.heldout_fraction" in err[0]
+    assert not (tmp_path / "runs").exists()  # neither the run's folder nor the out_dir made for it
