@@ -232,7 +232,7 @@ def _resolve(path: str) -> tuple[list[_Source], str]:
     raise DataError(f"data path {path!r} does not exist (expected a text file, a directory or a glob)")
 
 
-def _not_text(raw: bytes, error: UnicodeDecodeError | None) -> str:
+def why_not_text(raw: bytes, error: UnicodeDecodeError | None) -> str:
     """Why a file is not text, with the byte offset to look at: the first byte that is not UTF-8, or a NUL."""
     if error is None:
         return f"a NUL byte at offset {raw.find(bytes(1)):,}: binary"
@@ -249,12 +249,12 @@ def _read(sources: list[_Source], label: str) -> list[_Source]:
             s.raw = s.path.read_bytes()
             s.text = s.raw.decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            skipped.append(f"{str(s.path)!r} ({_not_text(s.raw, e)})")
+            skipped.append(f"{str(s.path)!r} ({why_not_text(s.raw, e)})")
             continue
         except OSError as e:
             raise DataError(f"cannot read data file {str(s.path)!r}: {e.strerror or e}") from e
         if "\0" in s.text:           # valid UTF-8 but binary (NUL bytes): not text
-            skipped.append(f"{str(s.path)!r} ({_not_text(s.raw, None)})")
+            skipped.append(f"{str(s.path)!r} ({why_not_text(s.raw, None)})")
             continue
         s.text = s.text.replace("\r\n", "\n")
         if s.text:
@@ -262,6 +262,8 @@ def _read(sources: list[_Source], label: str) -> list[_Source]:
     listed = ", ".join(skipped[:_MAX_LISTED]) + (f" (+{len(skipped) - _MAX_LISTED} more)"
                                                  if len(skipped) > _MAX_LISTED else "")
     if not kept:
+        if len(skipped) == 1 and len(sources) == 1 and str(sources[0].path) == label:  # one file: named once
+            raise DataError(f"{label}: not text ({skipped[0].split(' (', 1)[1][:-1]})")
         if skipped:
             raise DataError(f"no UTF-8 text in {label}: {listed}")
         raise DataError(f"no text in {label}: every file is empty")

@@ -33,7 +33,7 @@ from . import devices
 from .checkpoint import CheckpointError
 from .cli import OneLineParser, positive_int, utf8_stdout
 from .config import ConfigError
-from .data import Vocab
+from .data import Vocab, why_not_text
 from .gutenberg import MarkersMissing, strip_gutenberg
 from .loading import load_trained, resolve_model_path
 
@@ -118,9 +118,10 @@ def read_text(path: str, strip: bool = False) -> str:
     if not p.is_file():
         raise EvalError(f"{path}: not a file")
     try:
-        text = p.read_bytes().decode("utf-8-sig").replace("\r\n", "\n")
+        raw = p.read_bytes()
+        text = raw.decode("utf-8-sig").replace("\r\n", "\n")
     except UnicodeDecodeError as e:
-        raise EvalError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        raise EvalError(f"{path}: not text ({why_not_text(raw, e)})") from None  # as training says it
     except OSError as e:
         raise EvalError(f"{path}: cannot read it ({e.strerror or e})") from None
     if strip:
@@ -174,7 +175,8 @@ def format_report(report: dict) -> str:
               f"{num(r['nats_per_char']):>9} {num(r['bits_per_char']):>9}" for r in rows]
     total = report["overall"]
     if total["oov"]:
-        lines += [f"{total['oov']:,} character(s) outside the vocabulary: {describe_oov(total['oov_chars'])}",
+        lines += [f"{total['oov']:,} occurrence(s) of {len(total['oov_chars']):,} character(s) outside the vocabulary: "
+                  f"{describe_oov(total['oov_chars'])}",
                   f"  {OOV_POLICY}; {total['pieces']:,} piece(s)"]
     else:
         lines.append(f"no character outside the vocabulary; unscored: the first character of each text "

@@ -95,7 +95,7 @@ def test_characters_outside_the_vocabulary_split_the_text_and_are_counted(traine
     alone = evaluate.evaluate(model, vocab, {p: p for p in (a, b, c)}, CONTEXT, 8, 4, CPU)["overall"]
     assert got["nats_sum"] == pytest.approx(alone["nats_sum"], rel=1e-6) and got["scored"] == alone["scored"]
     printed = evaluate.format_report(report)
-    assert "4 character(s) outside the vocabulary: 'Q' x2, '\\t' x1, 'é' x1" in printed
+    assert "4 occurrence(s) of 3 character(s) outside the vocabulary: 'Q' x2, '\\t' x1, 'é' x1" in printed
     assert evaluate.OOV_POLICY in printed and "3 piece(s)" in printed
 
 
@@ -149,7 +149,7 @@ def test_strip_gutenberg_scores_the_book_alone(ckpt, trained, tmp_path, capsys):
     ("missing file", "nope.txt: no such file"),
     ("directory", ": not a file"),
     ("empty file", "empty.txt: empty text"),
-    ("not UTF-8", "latin1.txt: not UTF-8 text"),
+    ("not UTF-8", "latin1.txt: not text (byte 0xe9 at offset 3 is not UTF-8)"),  # as training says it
     ("no markers", "plain.txt: --strip-gutenberg but the file has no Project Gutenberg START line"),
     ("stride 0", f"--stride must be in 1..{CONTEXT}"),
     ("stride past T", f"--stride must be in 1..{CONTEXT} (the checkpoint's model.context), got {CONTEXT + 1}"),
