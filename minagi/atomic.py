@@ -51,7 +51,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], durable
     tmp = temp_path(path)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        _usual_permissions(tmp)
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -64,6 +64,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], durable
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def _usual_permissions(tmp: Path) -> None:
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)
+    except OSError:
+        pass  # a filesystem without modes (some network or Windows mounts): the file is written all the same
 
 
 # Windows refuses to replace a file another process holds open (sample.py or evaluate.py reading a live
