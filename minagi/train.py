@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -169,18 +171,23 @@ def _report(error: BaseException, ranks: "distributed.RankInfo", joined: bool) -
 def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
     """entry: the script that runs this main (train.py's path), which --nproc-per-node launches; None
     (`python -m minagi.train`, `minagi-train`): the module, as `python -m minagi.train`."""
+    exiting = argv is None  # the process's own command line: it ends when this returns
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     utf8_stdout()  # the corpus's file names, the plan
     try:
         with warnings.catch_warnings():
-            return _main(args, argv, entry)
+            code = _main(args, argv, entry)
     except KeyboardInterrupt:
         # Before train() took over (importing torch, reading the corpus, building the model): train()
         # itself reports a Ctrl-C during training, and what it saved.
         if os.environ.get("RANK", "0") == "0":
             print("interrupted before training began; no checkpoint was written", file=sys.stderr)
-        return 130
+        code = 130
+    if code == 130 and exiting and threading.current_thread() is threading.main_thread():
+        # Saved and said: a second Ctrl-C now would only break torch's exit handlers with a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 def _invoked_as(entry: str | None) -> list[str]:

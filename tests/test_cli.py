@@ -87,3 +87,23 @@ def test_the_readme_names_every_key_a_resume_may_change():
     sentence = readme[readme.index("On `--resume`\nonly what changes no weight may be set"):]
     sentence = sentence[:sentence.index(".\n")]
     assert [key for key in RESUMABLE_KEYS if f"`{key}`" not in sentence] == []
+
+
+def test_after_an_interrupted_run_says_so_the_process_lets_a_second_ctrl_c_go(monkeypatch, capsys):
+    """A second Ctrl-C after the save broke torch's exit handlers with a traceback; when main() owns the
+    process (its command line, argv None) it ignores SIGINT on its way out, and only then."""
+    import signal
+
+    def interrupted(args, argv, entry):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_py, "_main", interrupted)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--profile", "cpu_tiny"])
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert train_py.main(["--profile", "cpu_tiny"]) == 130  # in-process (tests, a library): left alone
+        assert signal.getsignal(signal.SIGINT) is before
+        assert train_py.main() == 130
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert "interrupted before training began" in capsys.readouterr().err
