@@ -373,9 +373,11 @@ def check_cuda_graphs(train: TrainConfig) -> None:
       - row checkpointing under "rows": a recompute would call a forward graph inside backward."""
     if train.compile is False or not uses_cuda_graphs(train):
         return
-    key = "train.compile_backend" if train.compile_backend == "cudagraphs" else "train.compile_mode"
-    value, plain = ((train.compile_backend, 'train.compile_backend = "inductor" (it needs Triton) or train.compile = '
-                     'false') if key == "train.compile_backend" else (train.compile_mode, 'train.compile_mode = "default"'))
+    if train.compile_backend == "cudagraphs":  # the setting that asked for the graphs, and what does without
+        key, value, plain = ("train.compile_backend", train.compile_backend,
+                             'train.compile_backend = "inductor" (it needs Triton) or train.compile = false')
+    else:
+        key, value, plain = "train.compile_mode", train.compile_mode, 'train.compile_mode = "default"'
     rules = [("accum_steps", train.accum_steps > 1, "a micro-batch's gradients, outputs of a graph, are overwritten "
               "by the next micro-batch's replay (torch issue 169545)")]
     if train.compile == "rows":

@@ -243,27 +243,27 @@ def why_not_text(raw: bytes, error: UnicodeDecodeError | None) -> str:
 def _read(sources: list[_Source], label: str) -> list[_Source]:
     """Decode each file as UTF-8 (BOM dropped, CRLF -> LF); skip binary / non-UTF-8 / empty ones."""
     kept: list[_Source] = []
-    skipped: list[str] = []  # "'path' (why)"
+    skipped: list[tuple[Path, str]] = []  # (path, why it is not text)
     for s in sources:
         try:
             s.raw = s.path.read_bytes()
             s.text = s.raw.decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            skipped.append(f"{str(s.path)!r} ({why_not_text(s.raw, e)})")
+            skipped.append((s.path, why_not_text(s.raw, e)))
             continue
         except OSError as e:
             raise DataError(f"cannot read data file {str(s.path)!r}: {e.strerror or e}") from e
         if "\0" in s.text:           # valid UTF-8 but binary (NUL bytes): not text
-            skipped.append(f"{str(s.path)!r} ({why_not_text(s.raw, None)})")
+            skipped.append((s.path, why_not_text(s.raw, None)))
             continue
         s.text = s.text.replace("\r\n", "\n")
         if s.text:
             kept.append(s)
-    listed = ", ".join(skipped[:_MAX_LISTED]) + (f" (+{len(skipped) - _MAX_LISTED} more)"
-                                                 if len(skipped) > _MAX_LISTED else "")
+    listed = ", ".join(f"{str(path)!r} ({why})" for path, why in skipped[:_MAX_LISTED]) + (
+        f" (+{len(skipped) - _MAX_LISTED} more)" if len(skipped) > _MAX_LISTED else "")
     if not kept:
-        if len(skipped) == 1 and len(sources) == 1 and str(sources[0].path) == label:  # one file: named once
-            raise DataError(f"{label}: not text ({skipped[0].split(' (', 1)[1][:-1]})")
+        if len(sources) == 1 and skipped and str(skipped[0][0]) == label:  # one file: named once
+            raise DataError(f"{label}: not text ({skipped[0][1]})")
         if skipped:
             raise DataError(f"no UTF-8 text in {label}: {listed}")
         raise DataError(f"no text in {label}: every file is empty")

@@ -191,6 +191,10 @@ def has_triton() -> bool:
     return torch_has_triton()
 
 
+# Why a GPU compile through inductor cannot run where Triton is missing (train.py, sample.py --compile).
+NO_TRITON = "in Triton, which this Python does not have (Windows and most ROCm builds on Windows ship none)"
+
+
 def check_compiler(compile_setting, device: torch.device, backend: str = "inductor") -> None:
     """`train.compile` on a GPU through inductor needs Triton (inductor writes its GPU kernels in it):
     where it is missing (Windows, most ROCm on Windows) refuse at start, in one line, rather than fail at
@@ -212,8 +216,7 @@ def check_compiler(compile_setting, device: torch.device, backend: str = "induct
                           "icx); set train.compile = false, or open a shell with one", "train.compile")
     if backend != "inductor" or not on_gpu or has_triton():
         return
-    raise ConfigError(f"{setting}: torch.compile writes its GPU kernels in Triton, which this Python does not "
-                      "have (Windows and most ROCm builds on Windows ship none); set train.compile = \"rows\" with "
+    raise ConfigError(f"{setting}: torch.compile writes its GPU kernels {NO_TRITON}; set train.compile = \"rows\" with "
                       "train.compile_backend = \"cudagraphs\" and train.compile_mode = \"default\" (CUDA graphs of "
                       "torch's kernels, no Triton), or train.compile = false, or install Triton", "train.compile")
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -301,13 +302,8 @@ class RunFolder:
             self.mirror = None
         if self._lock_fd is not None:
             discard = discard_if_empty and [p.name for p in self.path.iterdir()] == ["run.lock"]
-            windows = sys.platform == "win32"  # where a file held open cannot be deleted: let go of it first
-            if discard and not windows:
-                self._discard()  # still holding the lock: no other run is in it
-            _release(self._lock_fd)
+            _let_go(self._lock_fd, self._discard if discard else lambda: None)
             self._lock_fd = None
-            if discard and windows:
-                self._discard()
 
     def _discard(self) -> None:
         """Remove run.lock and the folder `claim` made."""
@@ -354,17 +350,28 @@ def _lock(path: Path) -> int:
         os.ftruncate(fd, 0)
         os.write(fd, f" pid {os.getpid()} on {platform.node()}\n".encode())
     except OSError as err:  # a full disk: say so rather than train without a named owner
-        if sys.platform == "win32":
-            _release(fd)  # Windows deletes no file held open
-        if not existed:
-            try:
-                path.unlink(missing_ok=True)  # (elsewhere still holding the lock: no other run is in it)
-            except OSError:
-                pass  # Windows: another process opened it once let go; the one-line error still follows
-        if sys.platform != "win32":
-            os.close(fd)
+        _let_go(fd, (lambda: _unlink_quietly(path)) if not existed else lambda: None)
         raise _LockNotMade(_describe_os_error(path, err)) from None
     return fd
+
+
+def _let_go(fd: int, discard: Callable[[], None]) -> None:
+    """Release run.lock (`_release`) and remove what `discard` removes: while still holding the lock where
+    the system allows it (no other run can take the folder in between), after letting go on Windows,
+    which deletes no file held open."""
+    if sys.platform == "win32":
+        _release(fd)
+        discard()
+    else:
+        discard()
+        _release(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # Windows: another process opened it once let go; the one-line error still follows
 
 
 def _remove_empty(folders: list[Path]) -> None:

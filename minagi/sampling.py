@@ -173,8 +173,7 @@ def write(model: CharLM, vocab: Vocab, prompts: list[str], n_chars: int, tempera
     if compiled and device.type != "cuda":
         raise SamplingError(f"a compiled step needs a CUDA device (Triton); writing runs on {device.type} here")
     if compiled and not devices.has_triton():
-        raise SamplingError("a compiled step writes its kernels in Triton, which this Python does not have "
-                            "(Windows and most ROCm builds on Windows ship none); leave --compile out")
+        raise SamplingError(f"a compiled step writes its kernels {devices.NO_TRITON}; leave --compile out")
     if compiled and any(not isinstance(pool.experts, ExpertStack) for pool in model.pools()):
         raise SamplingError("a compiled step runs resident trainable experts; this model's experts are frozen")
     return _write(model, vocab, ids, n_chars, (temperature, top_k, top_p), seed, window, keep, use_graphs,

@@ -98,7 +98,6 @@ def resolve(args: argparse.Namespace) -> tuple:
     profile = args.profile
     if profile is None:
         import torch  # is_available() asks the driver; it allocates nothing, so the alloc conf still applies
-
         profile = "cuda_small" if torch.cuda.is_available() else "cpu_tiny"
     cfg = load_config(profile, args.sets)
     # Paths as absolute ones: run.json and the checkpoints must name the same files from anywhere.
