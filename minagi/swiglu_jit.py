@@ -15,6 +15,15 @@ Shapes: h [R, 2F] (the gate half a, then the up half b), gate g [R], grad and ac
              picking the half, was twice as slow: docs/LOG.md.)
 Math in fp32; results stored in h's dtype (the gate terms too, as the eager ops' products are).
 
+Packed words (bf16, F a multiple of 4: the usual case). TensorIterator vectorises its loads only when
+every operand is contiguous, and the halves of h are not (row stride 2F): read one bf16 at a time,
+the kernels above reach about half of Triton's bandwidth (docs/LOG.md, session 15). So in bf16 every
+operand is viewed as int64 words of 4 bf16 lanes ([R, F/4]), and the `_packed` kernels unpack the
+lanes, compute in fp32 and pack the results (rounded to nearest even, as torch rounds): 8-byte
+loads and stores whether the view is strided or not. The gate goes in as its fp32 bits in an int64
+(jiterator gives every operand one type), and the gate terms come out as one fp32 sum of the 4 lanes
+a word, in the low 32 bits.
+
 `works(device, dtype)` runs them once, tiny, against their torch stand-ins (`torch_elementwise`);
 a failure (no NVRTC/hipRTC, a compile error) is one warning, and the eager ops run instead.
 """
@@ -25,7 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
-__all__ = ["JitSwiGLU", "backward", "forward", "torch_elementwise", "works"]
+__all__ = ["JitSwiGLU", "PACKED", "backward", "forward", "packed_works", "torch_elementwise", "works"]
 
 _CODE = {
     "forward": """
@@ -49,7 +58,72 @@ template <typename T> void minagi_swiglu_backward_h(T a, T b, T grad, T g, T& gr
     grad_b = static_cast<T>(gated * x * s);
 }""",
 }
-_OUTPUTS = {"forward": 1, "backward": 3, "backward_h": 2}
+# The packed kernels: bf16 lanes of int64 words (the docstring above). Helpers are templates, written
+# before the entry: jiterator's parser takes the last `template <...> type name(...) {...}` as the entry.
+_LANES = 4  # bf16 in an int64 word
+_PACKED_HELPERS = """
+template <typename T> float minagi_lane(T word, int lane) {
+    union { unsigned int u; float f; } v;  // a bf16 is the top half of an fp32
+    v.u = static_cast<unsigned int>((static_cast<unsigned long long>(word) >> (16 * lane)) & 0xFFFFull) << 16;
+    return v.f;
+}
+template <typename T> T minagi_place(float x, int lane) {
+    union { float f; unsigned int u; } v;  // x rounded to bf16, nearest-even; NaN as CUDA's 0x7FFF
+    v.f = x;
+    unsigned int bits = (v.u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FFFu : (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16;
+    return static_cast<T>(static_cast<unsigned long long>(bits) << (16 * lane));
+}
+template <typename T> float minagi_fp32(T word) {
+    union { unsigned int u; float f; } v;
+    v.u = static_cast<unsigned int>(static_cast<unsigned long long>(word) & 0xFFFFFFFFull);
+    return v.f;
+}
+template <typename T> T minagi_fp32_word(float x) {
+    union { float f; unsigned int u; } v;
+    v.f = x;
+    return static_cast<T>(static_cast<unsigned long long>(v.u));  // in the low 32 bits
+}
+"""
+_CODE["forward_packed"] = _PACKED_HELPERS + """
+template <typename T> T minagi_swiglu_forward_packed(T a, T b, T g) {
+    float gate = minagi_fp32(g);
+    T act = 0;
+    for (int lane = 0; lane < 4; ++lane) {
+        float x = minagi_lane(a, lane);
+        act |= minagi_place<T>(x / (1.0f + expf(-x)) * minagi_lane(b, lane) * gate, lane);
+    }
+    return act;
+}"""
+_CODE["backward_packed"] = _PACKED_HELPERS + """
+template <typename T> void minagi_swiglu_backward_packed(T a, T b, T grad, T g, T& grad_a, T& grad_b, T& gate_term) {
+    float gate = minagi_fp32(g), term = 0.0f;
+    T ga = 0, gb = 0;
+    for (int lane = 0; lane < 4; ++lane) {
+        float x = minagi_lane(a, lane), s = 1.0f / (1.0f + expf(-x)), silu = x * s;
+        float up = minagi_lane(b, lane), gr = minagi_lane(grad, lane), gated = gr * gate;
+        ga |= minagi_place<T>(gated * up * s * (1.0f + x * (1.0f - s)), lane);
+        gb |= minagi_place<T>(gated * silu, lane);
+        term += silu * up * gr;
+    }
+    grad_a = ga;
+    grad_b = gb;
+    gate_term = minagi_fp32_word<T>(term);
+}"""
+_CODE["backward_h_packed"] = _PACKED_HELPERS + """
+template <typename T> void minagi_swiglu_backward_h_packed(T a, T b, T grad, T g, T& grad_a, T& grad_b) {
+    float gate = minagi_fp32(g);
+    T ga = 0, gb = 0;
+    for (int lane = 0; lane < 4; ++lane) {
+        float x = minagi_lane(a, lane), s = 1.0f / (1.0f + expf(-x));
+        float gated = minagi_lane(grad, lane) * gate;
+        ga |= minagi_place<T>(gated * minagi_lane(b, lane) * s * (1.0f + x * (1.0f - s)), lane);
+        gb |= minagi_place<T>(gated * x * s, lane);
+    }
+    grad_a = ga;
+    grad_b = gb;
+}"""
+_OUTPUTS = {"forward": 1, "backward": 3, "backward_h": 2,
+            "forward_packed": 1, "backward_packed": 3, "backward_h_packed": 2}
 _CHUNK = 1 << 24  # elements of [rows, F] a backward kernel call covers (96 MiB of outputs in bf16)
 _KERNELS: dict = {}
 
@@ -64,36 +138,84 @@ def _kernel(name: str):
     return _KERNELS[name]
 
 
-def forward(h_RF2: Tensor, gate_R: Tensor, elementwise=None) -> Tensor:
-    """act [R, F]. `elementwise(name, *tensors)` runs a kernel (tests pass a torch stand-in)."""
+PACKED = True  # bf16 runs the packed kernels where it can; tools/bench_swiglu.py turns it off to compare
+
+
+def _packable(h_RF2: Tensor) -> bool:
+    """Whether h can be read as int64 words of 4 bf16 lanes."""
+    width = h_RF2.shape[1] // 2
+    return (h_RF2.dtype == torch.bfloat16 and width % _LANES == 0 and h_RF2.stride(1) == 1
+            and h_RF2.stride(0) % _LANES == 0 and h_RF2.storage_offset() % _LANES == 0)
+
+
+def _packs(h_RF2: Tensor, elementwise, packed: bool | None) -> bool:
+    """Whether this call runs the `_packed` kernels: where h can be read so, unless `packed` says
+    otherwise, or the packed kernels failed their probe on this device (the one-lane ones run then)."""
+    if packed is not None:
+        return packed
+    return PACKED and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device))
+
+
+def _words(t_RN: Tensor) -> Tensor:
+    """[R, N] bf16 -> [R, N/4] int64 words over the same memory."""
+    return t_RN.view(torch.int64)
+
+
+def _gate_words(gate_R: Tensor) -> Tensor:
+    """[R] -> [R, 1] int64 holding each gate's fp32 bits (sign-extended)."""
+    return gate_R.float().view(torch.int32).to(torch.int64)[:, None]
+
+
+def forward(h_RF2: Tensor, gate_R: Tensor, elementwise=None, packed: bool | None = None) -> Tensor:
+    """act [R, F]. `elementwise(name, *tensors)` runs a kernel (tests pass a torch stand-in); `packed`
+    chooses the kernels (None: the packed ones where they run)."""
     run = elementwise or _launch
     rows, width = h_RF2.shape[0], h_RF2.shape[1] // 2
     if rows == 0:
         return h_RF2.new_empty(0, width)
+    if _packs(h_RF2, elementwise, packed):
+        h_RW2 = _words(h_RF2)  # W = F/4 words a half
+        words = width // _LANES
+        return run("forward_packed", h_RW2[:, :words], h_RW2[:, words:], _gate_words(gate_R)).view(h_RF2.dtype)
     return run("forward", h_RF2[:, :width], h_RF2[:, width:], gate_R[:, None])
 
 
 def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = True,
-             elementwise=None, chunk: int = _CHUNK) -> tuple[Tensor, Tensor | None]:
+             elementwise=None, chunk: int = _CHUNK, packed: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """(grad h [R, 2F], grad gate [R] or None when `gate_grad` is False)."""
     run = elementwise or _launch
     rows, width = grad_RF.shape
-    name = "backward" if gate_grad else "backward_h"
-    step = max(1, chunk // max(width, 1))
+    packed = _packs(h_RF2, elementwise, packed)
+    name = ("backward" if gate_grad else "backward_h") + ("_packed" if packed else "")
+    if packed:  # the same loop over int64 words; the gate terms come back as fp32 bits
+        grad_RF = grad_RF.contiguous()
+        grad_RF = grad_RF.clone() if grad_RF.storage_offset() % _LANES else grad_RF  # words start at a word
+        h_RF2, grad_RF, gate_in = _words(h_RF2), _words(grad_RF), _gate_words(gate_R)
+        width //= _LANES
+    else:
+        gate_in = gate_R[:, None]
+    step = max(1, chunk // max(width * (_LANES if packed else 1), 1))
+
+    def terms_sum(terms: Tensor) -> Tensor:
+        if packed:  # each word's low 32 bits, read in place as fp32 (little-endian, as every GPU is)
+            terms = terms.view(torch.int32)[:, 0::2].view(torch.float32)
+        return terms.sum(-1, dtype=torch.float32)
+
     if 0 < rows <= step:  # one block (the usual case): no copies into place, fewer launches
-        outs = run(name, h_RF2[:, :width], h_RF2[:, width:], grad_RF, gate_R[:, None])
-        grad_gate = outs[2].sum(-1, dtype=torch.float32).to(gate_R.dtype) if gate_grad else None
-        return torch.cat(outs[:2], dim=1), grad_gate
+        outs = run(name, h_RF2[:, :width], h_RF2[:, width:], grad_RF, gate_in)
+        grad_gate = terms_sum(outs[2]).to(gate_R.dtype) if gate_grad else None
+        grad_h = torch.cat(outs[:2], dim=1)
+        return (grad_h.view(torch.bfloat16) if packed else grad_h), grad_gate
     grad_h = h_RF2.new_empty(rows, 2 * width)
     grad_gate = gate_R.new_empty(rows) if gate_grad else None
     for start in range(0, rows, step):
         r = slice(start, min(start + step, rows))
         h_CF2 = h_RF2[r]
-        outs = run(name, h_CF2[:, :width], h_CF2[:, width:], grad_RF[r], gate_R[r, None])
+        outs = run(name, h_CF2[:, :width], h_CF2[:, width:], grad_RF[r], gate_in[r])
         torch.cat(outs[:2], dim=1, out=grad_h[r])  # a block of whole rows: contiguous
         if gate_grad:
-            grad_gate[r] = outs[2].sum(-1, dtype=torch.float32)
-    return grad_h, grad_gate
+            grad_gate[r] = terms_sum(outs[2])
+    return (grad_h.view(torch.bfloat16) if packed else grad_h), grad_gate
 
 
 def _launch(name: str, *tensors: Tensor):
@@ -120,41 +242,54 @@ _ANSWERS: dict[tuple, bool] = {}
 def works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels compile and match the eager ops on `device` in `dtype` (asked once per
     device and dtype in a process; a "no" warns once, saying why)."""
-    key = (device.type, device.index, str(dtype))
+    return _asked((device.type, device.index, str(dtype)), lambda: _probe(device, dtype, packed=False),
+                  f"jiterator SwiGLU kernels {{}} on {device} (torch {torch.__version__}): the eager torch ops run "
+                  "instead (pool.swiglu = \"eager\" chooses them without this probe)")
+
+
+def packed_works(device: torch.device) -> bool:
+    """The same question for the packed kernels (bf16); a "no" leaves the one-lane kernels running."""
+    return _asked((device.type, device.index, "packed"), lambda: _probe(device, torch.bfloat16, packed=True),
+                  f"packed jiterator SwiGLU kernels {{}} on {device} (torch {torch.__version__}): the one-lane "
+                  "jiterator kernels run instead")
+
+
+def _asked(key: tuple, probe, warning: str) -> bool:
     if key not in _ANSWERS:
-        why = _probe(device, dtype)
+        why = probe()
         _ANSWERS[key] = why is None
         if why is not None:
-            warnings.warn(f"minagi's jiterator SwiGLU {why} on {device} (torch {torch.__version__}): the eager "
-                          "torch ops run instead (pool.swiglu = \"eager\" chooses them without this probe)",
-                          stacklevel=3)
+            warnings.warn("minagi's " + warning.format(why), stacklevel=4)
     return _ANSWERS[key]
 
 
-def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
+def _probe(device: torch.device, dtype: torch.dtype, packed: bool) -> str | None:
     """None if the kernels run and agree with their torch stand-ins (fp32, CPU) on a small case, else
     what went wrong. No autograd here: the probe may run inside a checkpointed forward."""
     gen = torch.Generator().manual_seed(0)
     h, grad = torch.randn(5, 48, generator=gen), torch.randn(5, 24, generator=gen)
     gate = torch.rand(5, generator=gen)
-    want = (forward(h, gate, torch_elementwise), *backward(h, gate, grad, elementwise=torch_elementwise))
+    want = (forward(h, gate, torch_elementwise, packed=False),
+            *backward(h, gate, grad, elementwise=torch_elementwise, packed=False))
     try:
         h_d, gate_d, grad_d = (t.to(device, dtype) for t in (h, gate, grad))
-        got = (forward(h_d, gate_d), *backward(h_d, gate_d, grad_d))
+        got = (forward(h_d, gate_d, packed=packed), *backward(h_d, gate_d, grad_d, packed=packed))
     except Exception as e:  # noqa: BLE001 - any failure to compile or run is the answer, said in the warning
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"fails ({detail[:200]})"
+        return f"fail ({detail[:200]})"
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(("output", "input gradient", "gate gradient"), got, want):
         err = float((a.float().cpu() - b).norm() / b.norm())
         if not err < tol:
-            return f"differs from its torch stand-in in its {name} (relative error {err:.3g})"
+            return f"differ from their torch stand-ins in the {name} (relative error {err:.3g})"
     return None
 
 
 def torch_elementwise(name: str, *tensors: Tensor):
     """The kernels' one-element functions as torch ops, in fp32, stored in the inputs' dtype: the
     probe's reference, and how the CPU tests run forward() and backward() (which build the views)."""
+    if name.endswith("_packed"):
+        return _packed_stand_in(name.removesuffix("_packed"), *tensors)
     dtype = tensors[0].dtype
     a, b, third, *rest = (t.float() for t in tensors)
     s = torch.sigmoid(a)
@@ -164,3 +299,20 @@ def torch_elementwise(name: str, *tensors: Tensor):
     grad, gated = third, third * rest[0]  # (a, b, grad, g)
     outs = (gated * b * s * (1 + a * (1 - s)), gated * silu) + ((silu * b * grad,) if name == "backward" else ())
     return tuple(o.to(dtype) for o in outs)
+
+
+def _packed_stand_in(name: str, *words: Tensor):
+    """The packed kernels as torch ops: the lanes unpacked, the one-lane stand-in's maths in fp32, the
+    results packed as the kernels pack them (the gate terms summed over a word's 4 lanes in fp32)."""
+    *halves, g = words
+    lanes = [w.contiguous().view(torch.bfloat16).float() for w in halves]  # [R, F] each
+    gate = g.to(torch.int32).view(torch.float32)                            # [R, 1]
+    outs = torch_elementwise(name, *lanes, gate)
+    outs = (outs,) if name == "forward" else outs
+    packed = [o.to(torch.bfloat16).view(torch.int64) for o in outs[:2]]
+    if name == "backward":
+        a, b, grad = lanes
+        s = torch.sigmoid(a)
+        terms = (a * s * b * grad).view(a.shape[0], -1, _LANES).sum(-1)   # [R, F/4] fp32
+        packed.append(terms.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)  # the bits in the low half
+    return packed[0] if name == "forward" else tuple(packed)

@@ -146,6 +146,43 @@ def test_jit_views_with_torch_stand_ins_match_fp64_eager(chunk):
     check_jit("cpu", torch.float64, 1e-5, swiglu_jit.torch_elementwise, chunk)  # the stand-ins compute in fp32
 
 
+@pytest.mark.parametrize("chunk", [swiglu_jit._CHUNK, 50])
+def test_jit_packed_words_with_torch_stand_ins_match_fp64_eager(chunk):
+    """bf16 with F a multiple of 4 reads int64 words of 4 lanes; other widths, one bf16 at a time."""
+    called = []
+
+    def recording(name, *tensors):
+        called.append((name, {t.dtype for t in tensors}))
+        return swiglu_jit.torch_elementwise(name, *tensors)
+    check_jit("cpu", torch.bfloat16, 1e-2, recording, chunk)  # SHAPES' widths are multiples of 4
+    assert {name for name, _ in called} == {"forward_packed", "backward_packed"}
+    assert all(dtypes == {torch.int64} for _, dtypes in called)  # jiterator gives every operand one type
+    called.clear()
+    h, grad = torch.randn(3, 12).bfloat16(), torch.randn(3, 6).bfloat16()
+    grad_h, _ = swiglu_jit.backward(h, torch.rand(3).bfloat16(), grad, gate_grad=False, elementwise=recording)
+    assert [name for name, _ in called] == ["backward_h"] and grad_h.dtype == torch.bfloat16
+    called.clear()
+    called.clear()
+    grad = torch.randn(25).bfloat16()[1:].view(3, 8)  # contiguous, but starting off a word's boundary
+    swiglu_jit.backward(torch.randn(3, 16).bfloat16(), torch.rand(3).bfloat16(), grad, elementwise=recording)
+    assert [name for name, _ in called] == ["backward_packed"]
+    called.clear()
+    h = torch.randn(3, 18).bfloat16()[:, 1:-1]  # F = 8, but the halves start off a word's boundary
+    swiglu_jit.backward(h, torch.rand(3).bfloat16(), torch.randn(3, 8).bfloat16(), elementwise=recording)
+    assert [name for name, _ in called] == ["backward"]  # not word-aligned: one lane
+
+
+def test_jit_packed_gate_terms_are_summed_in_fp32_per_word():
+    h = torch.randn(2, 8).bfloat16()
+    grad = torch.randn(2, 4).bfloat16()
+    words = swiglu_jit._words(h)
+    *_, terms = swiglu_jit.torch_elementwise("backward_packed", words[:, :1], words[:, 1:],
+                                             swiglu_jit._words(grad), swiglu_jit._gate_words(torch.ones(2)))
+    a, b = h.float().chunk(2, dim=-1)
+    want = (a * torch.sigmoid(a) * b * grad.float()).sum(-1)  # fp32, not rounded to bf16
+    assert torch.equal(terms.view(torch.int32)[:, 0::2].view(torch.float32)[:, 0], want)
+
+
 def test_jit_backward_without_the_gate_gradient_skips_it():
     h, grad = torch.randn(4, 16), torch.randn(4, 8)
     grad_h, grad_gate = swiglu_jit.backward(h, torch.rand(4), grad, gate_grad=False,
@@ -172,7 +209,7 @@ def test_jit_autograd_function_saves_h_and_the_gate_and_matches_eager(monkeypatc
 def test_jit_probe_says_no_with_why_where_the_kernels_fail_or_differ(monkeypatch):
     monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
     cpu = torch.device("cpu")
-    with pytest.warns(UserWarning, match=r"jiterator SwiGLU fails \(.*\) on cpu .*the eager torch ops run instead"):
+    with pytest.warns(UserWarning, match=r"jiterator SwiGLU kernels fail \(.*\) on cpu .*the eager torch ops run instead"):
         assert not swiglu_jit.works(cpu, torch.float32)  # jiterator itself refuses CPU tensors
     assert not swiglu_jit.works(cpu, torch.float32)      # asked once: no second warning (pytest would fail on none)
 
@@ -181,11 +218,31 @@ def test_jit_probe_says_no_with_why_where_the_kernels_fail_or_differ(monkeypatch
         return (*out[:2], out[2] * 1.1) if name == "backward" else out
     monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
     monkeypatch.setattr(swiglu_jit, "_launch", off_by_a_bit)
-    with pytest.warns(UserWarning, match="differs from its torch stand-in in its gate gradient"):
+    with pytest.warns(UserWarning, match="differ from their torch stand-ins in the gate gradient"):
         assert not swiglu_jit.works(cpu, torch.float32)
     monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
     monkeypatch.setattr(swiglu_jit, "_launch", swiglu_jit.torch_elementwise)
     assert swiglu_jit.works(cpu, torch.float32)
+
+
+def test_jit_packed_kernels_that_fail_their_probe_leave_the_one_lane_kernels_running(monkeypatch):
+    monkeypatch.setattr(swiglu_jit, "_ANSWERS", {})
+    launched = []
+
+    def no_packed(name, *tensors):
+        launched.append(name)
+        if name.endswith("_packed"):
+            raise RuntimeError("hiprtc: error: unknown type name")
+        return swiglu_jit.torch_elementwise(name, *tensors)
+    monkeypatch.setattr(swiglu_jit, "_launch", no_packed)
+    h, gate = torch.randn(6, 16).bfloat16(), torch.rand(6).bfloat16()  # packable: the packed kernels are asked
+    with pytest.warns(UserWarning, match=r"packed jiterator SwiGLU kernels fail \(hiprtc: error: unknown type "
+                                         r"name\) on cpu .*the one-lane jiterator kernels run instead"):
+        act = swiglu_jit.forward(h, gate)
+    assert launched == ["forward_packed", "forward"] and act.dtype == torch.bfloat16  # the probe, then the call
+    launched.clear()
+    swiglu_jit.backward(h, gate, torch.randn(6, 8).bfloat16())  # asked once
+    assert launched == ["backward"]
 
 
 def test_implementation_is_eager_on_the_cpu_and_without_gradients_and_names_a_bad_setting():
@@ -218,3 +275,22 @@ def test_swiglu_jiterator_setting_runs_the_jit_function_and_matches_eager():
     want = reference(h.detach().cpu(), gate.detach().cpu(), grad.cpu())
     for got, ref in zip((act.detach(), h.grad, gate.grad), want):
         assert relative_error(got.cpu(), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_jit_packed_kernels_equal_the_one_lane_kernels_on_cuda(monkeypatch):
+    """The same fp32 maths and rounding: act and grad h equal bit for bit; the gate gradient's terms
+    are summed in another order (fp32 per word, against bf16 products)."""
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(3000, 2 * 512, generator=gen).cuda().bfloat16()
+    h[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38])  # the rounding's edges
+    gate = torch.rand(3000, generator=gen).cuda().bfloat16()
+    grad = torch.randn(3000, 512, generator=gen).cuda().bfloat16()
+    outs = {}
+    for packed in (True, False):
+        monkeypatch.setattr(swiglu_jit, "PACKED", packed)
+        outs[packed] = (swiglu_jit.forward(h, gate), *swiglu_jit.backward(h, gate, grad))
+    for name, a, b in zip(("act", "grad h"), outs[True][:2], outs[False][:2]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name  # NaN bits included
+    assert relative_error(outs[True][2][1:].cpu(), outs[False][2][1:].double().cpu()) < 1e-2

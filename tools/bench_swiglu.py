@@ -14,7 +14,7 @@ import sys
 import torch
 
 from bench_dispatch import dense_step, make_routing, timed
-from minagi import dispatch, swiglu
+from minagi import dispatch, swiglu, swiglu_jit
 
 _compiled = None
 
@@ -38,7 +38,18 @@ def swiglu_jiterator(h, gate):
 
 
 IMPLEMENTATIONS = {"eager": swiglu.swiglu_eager, "compiled": swiglu_compiled, "triton": swiglu.swiglu,
-                   "jiterator": swiglu_jiterator}
+                   "jiterator": swiglu_jiterator, "jiterator, one lane": swiglu_jiterator}
+ONE_LANE = "jiterator, one lane"  # the jiterator kernels reading one bf16 at a time (swiglu_jit.PACKED off)
+
+
+def one_lane(step):
+    def run():
+        swiglu_jit.PACKED = False
+        try:
+            step()
+        finally:
+            swiglu_jit.PACKED = True
+    return run
 
 
 def main(argv=None) -> int:
@@ -78,9 +89,12 @@ def main(argv=None) -> int:
         return step
 
     cases = {"dense SwiGLU MLP": dense_step(R, D, D, dev, dt)}
-    cases.update({f"SwiGLU alone [{R}, {2 * D}], {name}": alone(fn) for name, fn in IMPLEMENTATIONS.items()})
+    def maybe_one_lane(name, step):
+        return one_lane(step) if name == ONE_LANE else step
+    cases.update({f"SwiGLU alone [{R}, {2 * D}], {name}": maybe_one_lane(name, alone(fn))
+                  for name, fn in IMPLEMENTATIONS.items()})
     for path in ("native", "grouped"):
-        cases.update({f"{path}, {name}": pool(path, fn) for name, fn in IMPLEMENTATIONS.items()})
+        cases.update({f"{path}, {name}": maybe_one_lane(name, pool(path, fn)) for name, fn in IMPLEMENTATIONS.items()})
     results = {}
     try:
         for name, fn in cases.items():
