@@ -129,18 +129,42 @@ def autocast(device: torch.device, dtype: torch.dtype | None = None) -> contextl
 
 
 def rss_bytes() -> int | None:
-    """Resident memory of this process now (Linux /proc), else its peak (getrusage); None if neither."""
+    """Resident memory of this process now (Linux /proc; Windows: the working set), else its peak
+    (getrusage); None if none of them answers."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
+    if sys.platform == "win32":
+        return _working_set_bytes()
     try:
         import resource  # POSIX only: Windows has no such module, and minagi must import there
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (ImportError, AttributeError, OSError):  # pragma: no cover - platforms without getrusage
         return None
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def _working_set_bytes() -> int | None:
+    """This process's working set on Windows (kernel32's K32GetProcessMemoryInfo), or None."""
+    import ctypes
+    from ctypes import wintypes
+
+    class Counters(ctypes.Structure):  # PROCESS_MEMORY_COUNTERS
+        _fields_ = [("cb", wintypes.DWORD), ("PageFaultCount", wintypes.DWORD)] + [
+            (name, ctypes.c_size_t) for name in (
+                "PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage", "QuotaPagedPoolUsage",
+                "QuotaPeakNonPagedPoolUsage", "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage")]
+    counters = Counters()
+    counters.cb = ctypes.sizeof(counters)
+    try:
+        kernel32 = ctypes.WinDLL("kernel32")
+        kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+        ok = kernel32.K32GetProcessMemoryInfo(kernel32.GetCurrentProcess(), ctypes.byref(counters), counters.cb)
+    except (AttributeError, OSError):  # an old Windows without the K32 entry point
+        return None
+    return int(counters.WorkingSetSize) if ok else None
 
 
 def memory_stats(device: torch.device, reset_peak: bool = True) -> dict:

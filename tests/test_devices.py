@@ -51,6 +51,38 @@ def test_cpu_memory_stats_are_none_beside_the_resident_memory():
     assert stats["rss_bytes"] > 10 * 2**20
 
 
+def test_rss_on_windows_is_the_working_set_from_kernel32(monkeypatch):
+    """No /proc and no `resource` there: the history's rss_bytes came back None on Windows."""
+    import builtins
+    import ctypes
+    real_open = builtins.open
+
+    def no_proc(path, *a, **k):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+
+    class Kernel32:
+        class GetCurrentProcess:  # a function object with a restype, as ctypes gives
+            restype = None
+
+            def __new__(cls):
+                return -1
+
+        @staticmethod
+        def K32GetProcessMemoryInfo(handle, counters_ref, size):
+            counters = counters_ref._obj
+            assert handle == -1 and size == ctypes.sizeof(counters) == counters.cb
+            counters.WorkingSetSize = 123 * 2**20
+            return 1
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(ctypes, "WinDLL", lambda name: Kernel32 if name == "kernel32" else None, raising=False)
+    assert devices.rss_bytes() == 123 * 2**20
+    monkeypatch.setattr(Kernel32, "K32GetProcessMemoryInfo", staticmethod(lambda *a: 0))
+    assert devices.rss_bytes() is None  # the call failed: no figure rather than a wrong one
+
+
 def test_host_syncs_counts_sync_warnings_only_not_the_modes_own_notice(monkeypatch):
     """torch's sync debug mode warns "called a synchronizing CUDA operation" at each sync, and once a
     process, on being set, that it "does not yet detect all synchronizing operations": one sync
