@@ -93,6 +93,11 @@ def build_training(cfg: Config, vocab_size: int, device: torch.device, world_siz
         # replays are still the gain (docs/benchmarks.md section 22).
         warnings.filterwarnings("ignore", message="Unable to hit fast path of CUDAGraphs",
                                 module="torch._inductor.cudagraph_trees")
+    if tc.compile and dtype != torch.float32:
+        # In a bf16 or fp16 step the fp32 matmuls are the router's, fp32 on purpose (minagi/router.py):
+        # inductor's advice, printed at the first compile, to run float32 matmuls as TF32 does not apply.
+        warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication",
+                                category=UserWarning)
     forward, wrapped = parallel.wrap(model, layout, device)  # FSDP shards the parameters: before the optimizer
     optimizer = build_optimizer(model.param_groups(tc.weight_decay, tc.expert_weight_decay), lr=tc.lr,
                                 betas=(tc.beta1, tc.beta2), states=tc.optimizer_states, device=device, seed=tc.seed)

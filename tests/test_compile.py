@@ -272,3 +272,15 @@ def test_building_a_run_asks_that_question_of_its_model(monkeypatch):
     build_training(load_config(None, TINY + ["train.device=cpu", "train.compile=true"]), 13, torch.device("cpu"), 1)
     torch._dynamo.reset()
     assert asked == [(True, torch.device("cpu"))]
+
+
+@pytest.mark.parametrize("precision,silenced", [("bf16", True), ("fp32", False)])
+def test_inductors_tf32_advice_is_silenced_only_where_the_fp32_matmuls_are_the_routers(precision, silenced):
+    """In a bf16 step the fp32 matmul is the router's, fp32 on purpose; an fp32 run may want the advice."""
+    import warnings
+    cfg = load_config(None, TINY + ["train.device=cpu", "train.compile=true", f"train.precision={precision}"])
+    with warnings.catch_warnings():  # the build's filters are undone on leaving
+        build_training(cfg, 13, torch.device("cpu"), 1)
+        ignored = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None
+                   and f[1].match("TensorFloat32 tensor cores for float32 matrix multiplication available")]
+    assert bool(ignored) == silenced
