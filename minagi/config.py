@@ -309,7 +309,7 @@ class TrainConfig(_Section):
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
     eval_every: int = 100  # held-out eval + history record + checkpoint every N steps
-    eval_batches: int = 8
+    eval_batches: int = 8  # held-out batches of the step (accum_steps x batch_size sequences), evaluated micro-batch by micro-batch
     early_stop_evals: int = 0  # > 0: stop when this many evaluations in a row did not beat the best held-out loss
     seed: int = 1337
     # true: the whole training step through torch.compile (static shapes: the native grouped GEMM);

@@ -586,7 +586,14 @@ def batch_on(device: torch.device, ids: np.ndarray, batch_size: int, context: in
 
 
 def heldout_batches(ids: np.ndarray, batch_size: int, context: int, n_batches: int, seed: int,
-                    rank: int = 0, world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of n_batches (x, y) pairs for evaluation, the same at every training step."""
-    return [_windows(ids, batch_size, context, [seed, i, _HELDOUT_STREAM], rank, world_size, "held-out")
-            for i in range(n_batches)]
+                    rank: int = 0, world_size: int = 1, accum_steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of (x, y) micro-batches for evaluation, the same at every training step: n_batches
+    batches of the step (accum_steps x batch_size sequences), each in its accum_steps micro-batches of
+    this rank's rows. As in `get_batch`, batch_size B with accum_steps M evaluates the sequences of
+    batch_size M*B with 1, in the same order, and a forward never holds more than a micro-batch."""
+    out = []
+    for i in range(n_batches):
+        x, y = _windows(ids, batch_size, context, [seed, i, _HELDOUT_STREAM], rank, world_size, "held-out",
+                        accum_steps)
+        out.extend(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
+    return out

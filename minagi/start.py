@@ -121,7 +121,7 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
     check_corpus_fits(corpus, cfg.data.path, cfg.model.context)
     tc = cfg.train
     eval_batches = heldout_batches(corpus.heldout_ids, tc.batch_size, cfg.model.context, tc.eval_batches,
-                                   tc.seed, rank, world_size)
+                                   tc.seed, rank, world_size, tc.accum_steps)
     training = build_training(cfg, corpus.vocab.size, device, world_size, rank=rank,
                               init_frozen=ckpt is None and start is None, log=say)
     if start is not None:

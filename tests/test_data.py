@@ -331,6 +331,18 @@ def test_heldout_batches_are_fixed_and_shardable():
         assert torch.equal(torch.cat([halves[0][i][0], halves[1][i][0]]), a[i][0])
 
 
+def test_heldout_batches_under_accumulation_are_the_whole_steps_in_micro_batches():
+    """batch_size B with accum_steps M evaluates what batch_size M*B with 1 does: a run's held-out loss
+    does not change with how its step is split (it did: the sample was eval_batches x B windows)."""
+    ids = _ids()
+    whole = heldout_batches(ids, 6, 10, n_batches=3, seed=7)
+    micro = heldout_batches(ids, 3, 10, n_batches=3, seed=7, accum_steps=2)
+    assert len(micro) == 6 and all(x.shape == (3, 10) for x, _ in micro)
+    for i, (x, y) in enumerate(whole):
+        assert torch.equal(torch.cat([micro[2 * i][0], micro[2 * i + 1][0]]), x)
+        assert torch.equal(torch.cat([micro[2 * i][1], micro[2 * i + 1][1]]), y)
+
+
 def test_batch_windows_stay_inside_the_ids():
     ids = np.arange(20, dtype=np.int64)          # tiny: every window start 0..3 must appear, none past
     seen = set()

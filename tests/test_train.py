@@ -132,6 +132,14 @@ def test_a_run_without_warmup_trains(tmp_path, data_path):
     assert run.step == 2 and math.isfinite(run.heldout_loss)
 
 
+def test_a_run_split_into_micro_batches_evaluates_the_same_held_out_sample(tmp_path):
+    """batch 4 x 1 and batch 2 x 2 (accumulated) train the same model; their held-out losses agree too."""
+    whole = run_tiny(tmp_path, None, run_name="whole")  # TINY: batch 4
+    split = run_tiny(tmp_path, None, "train.batch_size=2", "train.accum_steps=2", run_name="split")
+    assert split.losses == pytest.approx(whole.losses, rel=1e-5)
+    assert split.heldout_loss == pytest.approx(whole.heldout_loss, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------ resume
 
 def test_resume_after_ctrl_c_reproduces_the_uninterrupted_losses_and_records(tmp_path, data_path, monkeypatch):

@@ -4,8 +4,8 @@
     python tools/sink_report.py runs/<name>/last.pt --data other.txt --batches 4 --top 0 \\
         --heatmap load.png --device cuda
 
-Runs `--batches` held-out batches (the run's own: train.batch_size x model.context characters each,
-drawn with train.seed exactly as the trainer's evaluation draws them) through the model and prints,
+Runs `--batches` held-out batches (the run's own: train.accum_steps x train.batch_size x
+model.context characters each, drawn with train.seed exactly as the trainer's evaluation draws them) through the model and prints,
 per row: the busiest experts (load, share of characters, ratio to the fair share N*K/E), the sink
 count (experts over the pool's sink_ratio), dead experts, the routing entropy of the load
 distribution, the dropped fraction, the padding ratio, the dispatch path and MaxVio (the busiest
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                              heldout_files=cfg.data.heldout_files if args.data is None else ())
         n_batches = args.batches or cfg.train.eval_batches
         batches = heldout_batches(corpus.heldout_ids, cfg.train.batch_size, cfg.model.context,
-                                  n_batches, cfg.train.seed)
+                                  n_batches, cfg.train.seed, accum_steps=cfg.train.accum_steps)
     except USAGE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
