@@ -161,8 +161,12 @@ def _working_set_bytes() -> int | None:
     try:
         kernel32 = ctypes.WinDLL("kernel32")
         kernel32.GetCurrentProcess.restype = wintypes.HANDLE
-        ok = kernel32.K32GetProcessMemoryInfo(kernel32.GetCurrentProcess(), ctypes.byref(counters), counters.cb)
-    except (AttributeError, OSError):  # an old Windows without the K32 entry point
+        get_info = kernel32.K32GetProcessMemoryInfo
+        # Declared: undeclared, ctypes would pass the 64-bit pseudo-handle as a 32-bit C long and fail.
+        get_info.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters), wintypes.DWORD]
+        get_info.restype = wintypes.BOOL
+        ok = get_info(kernel32.GetCurrentProcess(), ctypes.byref(counters), counters.cb)
+    except (AttributeError, OSError, ctypes.ArgumentError):  # an old Windows without the K32 entry point
         return None
     return int(counters.WorkingSetSize) if ok else None
 

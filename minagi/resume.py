@@ -34,12 +34,13 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
     cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
+    changed = apply_overrides(cfg, overrides)  # first: a misspelled key is named as unknown, with a guess
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key not in RESUMABLE_KEYS:
             raise ConfigError(f"--set {key}: cannot be changed when resuming (only "
                               f"{', '.join(RESUMABLE_KEYS)} may)", key)
-    return apply_overrides(cfg, overrides), info["profile"]
+    return changed, info["profile"]
 
 
 def _check_resumed_config(cfg: Config, saved: Config, source: str) -> None:

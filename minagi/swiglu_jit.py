@@ -29,12 +29,13 @@ a failure (no NVRTC/hipRTC, a compile error) is one warning, and the eager ops r
 """
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
 from torch import Tensor
 
-__all__ = ["JitSwiGLU", "PACKED", "backward", "forward", "packed_works", "torch_elementwise", "works"]
+__all__ = ["JitSwiGLU", "PACK_WORDS", "backward", "forward", "packed_works", "torch_elementwise", "works"]
 
 _CODE = {
     "forward": """
@@ -138,7 +139,7 @@ def _kernel(name: str):
     return _KERNELS[name]
 
 
-PACKED = True  # bf16 runs the packed kernels where it can; tools/bench_swiglu.py turns it off to compare
+PACK_WORDS = True  # bf16 runs the packed kernels where it can; tools/bench_swiglu.py turns it off to compare
 
 
 def _packable(h_RF2: Tensor) -> bool:
@@ -153,7 +154,7 @@ def _packs(h_RF2: Tensor, elementwise, packed: bool | None) -> bool:
     otherwise, or the packed kernels failed their probe on this device (the one-lane ones run then)."""
     if packed is not None:
         return packed
-    return PACKED and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device))
+    return PACK_WORDS and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device))
 
 
 def _words(t_RN: Tensor) -> Tensor:
@@ -188,8 +189,8 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = T
     packed = _packs(h_RF2, elementwise, packed)
     name = ("backward" if gate_grad else "backward_h") + ("_packed" if packed else "")
     if packed:  # the same loop over int64 words; the gate terms come back as fp32 bits
-        grad_RF = grad_RF.contiguous()
-        grad_RF = grad_RF.clone() if grad_RF.storage_offset() % _LANES else grad_RF  # words start at a word
+        if not (grad_RF.stride(1) == 1 and grad_RF.stride(0) % _LANES == 0 and grad_RF.storage_offset() % _LANES == 0):
+            grad_RF = grad_RF.clone(memory_format=torch.contiguous_format)  # whole words, a row apart
         h_RF2, grad_RF, gate_in = _words(h_RF2), _words(grad_RF), _gate_words(gate_R)
         width //= _LANES
     else:
@@ -269,20 +270,30 @@ def _probe(device: torch.device, dtype: torch.dtype, packed: bool) -> str | None
     gen = torch.Generator().manual_seed(0)
     h, grad = torch.randn(5, 48, generator=gen), torch.randn(5, 24, generator=gen)
     gate = torch.rand(5, generator=gen)
-    want = (forward(h, gate, torch_elementwise, packed=False),
-            *backward(h, gate, grad, elementwise=torch_elementwise, packed=False))
+
+    def results(h, gate, grad, run, packed):  # each kernel: forward, backward, backward without the gate's gradient
+        return (forward(h, gate, run, packed), *backward(h, gate, grad, elementwise=run, packed=packed),
+                backward(h, gate, grad, gate_grad=False, elementwise=run, packed=packed)[0])
+    want = results(h, gate, grad, torch_elementwise, packed=False)
     try:
-        h_d, gate_d, grad_d = (t.to(device, dtype) for t in (h, gate, grad))
-        got = (forward(h_d, gate_d, packed=packed), *backward(h_d, gate_d, grad_d, packed=packed))
+        got = results(*(t.to(device, dtype) for t in (h, gate, grad)), None, packed)
     except Exception as e:  # noqa: BLE001 - any failure to compile or run is the answer, said in the warning
-        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return f"fail ({detail[:200]})"
+        return f"fail ({_first_error_line(e)[:200]})"
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for name, a, b in zip(("output", "input gradient", "gate gradient"), got, want):
+    names = ("output", "input gradient", "gate gradient", "input gradient without the gate's")
+    for name, a, b in zip(names, got, want):
         err = float((a.float().cpu() - b).norm() / b.norm())
         if not err < tol:
             return f"differ from their torch stand-ins in the {name} (relative error {err:.3g})"
     return None
+
+
+def _first_error_line(e: Exception) -> str:
+    """The line of a failure that says what went wrong: jiterator raises the generated source followed
+    by the compiler's log, so the first line is the source's (`#ifdef ...`), not the error."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\s*:", line, re.IGNORECASE)]  # not ERROR_UNSUPPORTED_CAST
+    return (errors or lines[-1:] or [type(e).__name__])[0]
 
 
 def torch_elementwise(name: str, *tensors: Tensor):

@@ -2,6 +2,7 @@
 reach every name torch reads; the CPU's memory figures."""
 import os
 import sys
+import types
 import warnings
 
 import pytest
@@ -62,24 +63,27 @@ def test_rss_on_windows_is_the_working_set_from_kernel32(monkeypatch):
             raise FileNotFoundError(path)
         return real_open(path, *a, **k)
 
-    class Kernel32:
-        class GetCurrentProcess:  # a function object with a restype, as ctypes gives
-            restype = None
+    class Function:  # a foreign function as ctypes gives it, with Windows x64's argument rules
+        def __init__(self, body):
+            self.body, self.argtypes, self.restype = body, None, None
 
-            def __new__(cls):
-                return -1
+        def __call__(self, *args):
+            if self.argtypes is None and any(isinstance(a, int) and not -2**31 <= a < 2**31 for a in args):
+                raise ctypes.ArgumentError("argument 1: OverflowError: int too long to convert")  # C long is 32-bit
+            return self.body(*args)
 
-        @staticmethod
-        def K32GetProcessMemoryInfo(handle, counters_ref, size):
-            counters = counters_ref._obj
-            assert handle == -1 and size == ctypes.sizeof(counters) == counters.cb
-            counters.WorkingSetSize = 123 * 2**20
-            return 1
+    def memory_info(handle, counters_ref, size):
+        counters = counters_ref._obj
+        assert handle == 2**64 - 1 and size == ctypes.sizeof(counters) == counters.cb
+        counters.WorkingSetSize = 123 * 2**20
+        return 1
+    kernel32 = types.SimpleNamespace(GetCurrentProcess=Function(lambda: 2**64 - 1),  # the pseudo-handle -1, as HANDLE
+                                     K32GetProcessMemoryInfo=Function(memory_info))
     monkeypatch.setattr(builtins, "open", no_proc)
     monkeypatch.setattr(sys, "platform", "win32")
-    monkeypatch.setattr(ctypes, "WinDLL", lambda name: Kernel32 if name == "kernel32" else None, raising=False)
+    monkeypatch.setattr(ctypes, "WinDLL", lambda name: kernel32 if name == "kernel32" else None, raising=False)
     assert devices.rss_bytes() == 123 * 2**20
-    monkeypatch.setattr(Kernel32, "K32GetProcessMemoryInfo", staticmethod(lambda *a: 0))
+    kernel32.K32GetProcessMemoryInfo = Function(lambda *a: 0)
     assert devices.rss_bytes() is None  # the call failed: no figure rather than a wrong one
 
 

@@ -298,6 +298,8 @@ def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
     done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
     with pytest.raises(ConfigError, match=r"--set model\.d_model: cannot be changed when resuming"):
         resume_config(done.run_dir, ["model.d_model=64"])
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.stepz'.*did you mean 'steps'"):
+        resume_config(done.run_dir, ["train.stepz=5"])  # a misspelling, not a refused change
     with pytest.raises(ConfigError, match="already at step 2"):
         train(resume_config(done.run_dir)[0], "tiny", done.run_dir, progress=False, log=lambda m: None)
     # A library caller passing a different config is stopped by last.pt itself.

@@ -39,16 +39,16 @@ def swiglu_jiterator(h, gate):
 
 IMPLEMENTATIONS = {"eager": swiglu.swiglu_eager, "compiled": swiglu_compiled, "triton": swiglu.swiglu,
                    "jiterator": swiglu_jiterator, "jiterator, one lane": swiglu_jiterator}
-ONE_LANE = "jiterator, one lane"  # the jiterator kernels reading one bf16 at a time (swiglu_jit.PACKED off)
+ONE_LANE = "jiterator, one lane"  # the jiterator kernels reading one bf16 at a time (swiglu_jit.PACK_WORDS off)
 
 
 def one_lane(step):
     def run():
-        swiglu_jit.PACKED = False
+        swiglu_jit.PACK_WORDS = False
         try:
             step()
         finally:
-            swiglu_jit.PACKED = True
+            swiglu_jit.PACK_WORDS = True
     return run
 
 
