@@ -494,13 +494,14 @@ def _walk(cfg: Config, s: _Shape, st: _Step, persistent: dict[str, int], counts:
     return tape
 
 
-_ORDER = ("weights", "NF4 stacks", "optimizer states", "gradients", "activations", "dispatch padding",
+_ORDER = ("weights", "NF4 stacks", "optimizer states", "gradients", "gathered rows", "activations", "dispatch padding",
           "weight copies", "forward transients", "backward transients", "optimizer transients", "CUDA workspaces")
 _HOW = {
     "weights": "fp32 trainable weights",
     "NF4 stacks": "frozen expert stacks as stored (offload: the stager's slots)",
     "optimizer states": "AdamW's two moments",
     "gradients": "fp32 gradients alive at the peak",
+    "gathered rows": "FSDP: the row in use and the one prefetched, whole (fp32 weights and gradients)",
     "activations": "tensors saved for backward (rows' inputs, attention, router, experts' rows)",
     "dispatch padding": "the padded rows' saved tensors",
     "weight copies": "weights cast to the compute dtype, frozen stacks dequantized",
@@ -528,8 +529,11 @@ def plan_memory(cfg: Config, target: Target | str = "sm90", *, vocab_size: int =
     st = _Step(checkpointed=tc.checkpoint_rows, pinned=_pins(cfg, s), grads_whole=grads_whole,
                row_grads=4 * row_weights,
                stacks=(s.E * s.D * 2 * s.F, s.E * s.F * s.D) if s.pooled else (0, 0))
-    tape = _walk(cfg, s, st, _persistent(cfg, target, counts, grads_whole, weight_shards, expert_shards),
-                 counts, target)
+    persistent = _persistent(cfg, target, counts, grads_whole, weight_shards, expert_shards)
+    if weight_shards > 1:  # FSDP gathers a row's shards whole (expert slices of expert parallelism stay local)
+        persistent["gathered rows"] = 2 * 8 * (row_weights + (counts["experts"] // s.L if expert_shards == weight_shards
+                                                              else 0))
+    tape = _walk(cfg, s, st, persistent, counts, target)
     parts = tape.best_parts
     ordered = tuple(Part(k, parts[k], _HOW[k]) for k in _ORDER if parts.get(k, 0) > 0)
     peak = sum(p.bytes for p in ordered)
@@ -542,7 +546,7 @@ def plan_memory(cfg: Config, target: Target | str = "sm90", *, vocab_size: int =
 def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[str, ...]:
     """What the parts assumed, and the per-row figures beside them."""
     per_row = sum(row_saved(s).values())
-    notes = [f"{s.N:,} characters a forward on this rank ({cfg.train.batch_size} sequences of {s.T}"
+    notes = [f"{s.N:,} characters a forward on this rank ({s.N // s.T} sequences of {s.T}"
              + (f", {cfg.train.accum_steps} micro-batches a step" if cfg.train.accum_steps > 1 else "") + "), "
              f"compute in {dict([(2, 'bf16/fp16'), (4, 'fp32')])[s.c]}, dispatch path {s.path}",
              f"weights: {counts['trainable']:,} trainable"
@@ -594,13 +598,25 @@ def local_target() -> tuple[Target, int | None]:
     return TARGETS[kind], props.total_memory
 
 
+def layout_shards(cfg: Config, world_size: int) -> tuple[int, int]:
+    """(weight_shards, expert_shards) of cfg's layout on `world_size` ranks: train.parallel = "fsdp" shards
+    every weight W ways; train.expert_parallel = N splits the expert stacks N ways (FSDP the rest)."""
+    fsdp = world_size if cfg.train.parallel == "fsdp" else 1
+    ep = cfg.train.expert_parallel
+    return fsdp, ep if ep > 1 else fsdp
+
+
 def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: int = 1, vocab_size: int = 256) -> str:
     """`describe` of the plan for `target` ("auto": this machine), with whether it fits this GPU (or
     memory.gpu_cap_gib) and how to plan for another kind of card."""
     here, total = local_target()
     chosen = here if target == "auto" else TARGETS[target]
-    plan = plan_memory(cfg, chosen, vocab_size=vocab_size, world_size=world_size)
-    lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}, vocabulary of "
+    weight_shards, expert_shards = layout_shards(cfg, world_size)
+    plan = plan_memory(cfg, chosen, vocab_size=vocab_size, world_size=world_size, weight_shards=weight_shards,
+                       expert_shards=expert_shards)
+    layout = (f", weights sharded {weight_shards} ways" if weight_shards > 1 else "") + (
+        f", experts {expert_shards} ways" if expert_shards > 1 else "")
+    lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}{layout}, vocabulary of "
                             f"{vocab_size} assumed)")]
     cap = cfg.memory.gpu_cap_gib * GiB if cfg.memory.gpu_cap_gib > 0 else None
     limits = [x for x in (cap, total if chosen is here else None) if x is not None]
