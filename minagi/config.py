@@ -225,7 +225,6 @@ class PoolConfig(_Section):
     # Always-on SwiGLU experts of width d_expert beside the routed ones (DeepSeekMoE), added to the
     # routed output; held as one SwiGLU of width shared_experts x d_expert (minagi/pool.py). They stay
     # trainable whatever [experts] says: frozen/NF4, LoRA and offload apply to the routed stack only.
-    # sample.py refuses them (and sigmoid scores) until the decode step has them.
     shared_experts: int = 0
     capacity_factor: float = 0.0  # 0 = uncapped (dropless)
     dispatch: Literal["auto", "grouped", "native", "triton", "rectangle", "loop"] = "auto"
