@@ -88,6 +88,24 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu") -> tuple[
     return model.eval(), ckpt.vocab, ckpt
 
 
+def _check_frozen_alike(ckpt: Checkpoint, frozen: dict, path) -> None:
+    """A frozen run's stacks are stored as quantized (or bf16) bytes and adapters: only a model frozen
+    the same way takes them. Said by its cause, before a tensor-by-tensor mismatch would be."""
+    x = ckpt.config.experts
+    if not (ckpt.config.model.mlp == "pooled" and x.frozen):
+        return
+    quants = {stack.quant for stack in frozen.values()}
+    if not quants:
+        raise CheckpointError(f"{path}: its run's experts are frozen (experts.frozen = true, experts.quant = "
+                              f"{x.quant!r}) and this profile's are trainable: a run can start from frozen stacks "
+                              f"only frozen the same way (set experts.frozen = true and experts.quant = {x.quant!r}), "
+                              "or start from the trained run they were frozen from")
+    if quants != {x.quant}:
+        raise CheckpointError(f"{path}: its run's frozen stacks are stored as experts.quant = {x.quant!r}, this "
+                              f"profile's as {sorted(quants)[0]!r}: set experts.quant = {x.quant!r}, or start from "
+                              "the trained run they were frozen from")
+
+
 @torch.no_grad()
 def init_from_checkpoint(model: CharLM, ckpt: Checkpoint, path: str | Path) -> list[str]:
     """A trained checkpoint's weights into a newly built `model`: every tensor by name and shape;
@@ -101,6 +119,7 @@ def init_from_checkpoint(model: CharLM, ckpt: Checkpoint, path: str | Path) -> l
         from .upcycle import upcycled_state
         state = upcycled_state(state, model, path)
     frozen = frozen_stacks(model)
+    _check_frozen_alike(ckpt, frozen, path)
     saved = model.state_dict(keep_vars=True).keys()  # not the buffers a model remakes (RoPE tables)
     targets = {**dict(model.named_parameters()), **{k: b for k, b in model.named_buffers() if k in saved}}
     for key, value in state.items():

@@ -129,12 +129,24 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
             raise ConfigError(f"--init {init}: a new run from a checkpoint's weights starts whole, not sharded: "
                               "start it with train.parallel = \"ddp\" and train.expert_parallel = 1 (both may "
                               "change when it resumes)")
+        _warn_reread_attention(cfg, start, init, say)
         fresh = init_from_checkpoint(training.model, start, init)
         say(f"init: weights of {init} (step {'?' if start.step is None else start.step})"
             + (f"; {len(fresh)} adapter tensors start fresh" if fresh else ""))
         del start
     note = restore_training(training, ckpt) if ckpt is not None else None
     return RunStart(folder, run_name, corpus, eval_batches, training, ckpt), note
+
+
+def _warn_reread_attention(cfg: Config, start: Checkpoint, init, say: Callable[[str], None]) -> None:
+    """Settings that keep every tensor's shape but change what the copied weights compute: said, not
+    refused (a researcher may mean it)."""
+    for key in ("n_heads", "rope_base"):
+        here, there = getattr(cfg.model, key), getattr(start.config.model, key)
+        if here != there:
+            say(f"warning: --init {init}: model.{key} = {here:g} here, {there:g} in the run it comes from: the "
+                "same attention weights compute another function (heads split or rotated otherwise), so "
+                "the run does not start from the trained model")
 
 
 def _start_folder(start: RunStart, cfg: Config, profile_name: str, argv: list[str] | None, device: torch.device,

@@ -8,7 +8,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from minagi import recompute
-from minagi.checkpoint import Checkpoint, load_checkpoint
+from minagi.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from minagi.config import ExpertsConfig, ModelConfig, PoolConfig
 from minagi.experts import StackServices
 from minagi.frozen import FrozenStack, dequant_summary, frozen_stacks
@@ -249,6 +249,22 @@ def test_init_from_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(t
         init_from_checkpoint(model, ckpt, base.run_dir / "best.pt")
     message = str(err.value)
     assert "\n" not in message and "best.pt: " in message and ("embed.weight" in message or "experts" in message)
+
+
+@pytest.mark.parametrize("experts,says", [
+    (ExpertsConfig(), r"its run's experts are frozen \(experts.frozen = true, experts.quant = 'nf4'\) and this "
+                      r"profile's are trainable: .*set experts.frozen = true and experts.quant = 'nf4'"),
+    (ExpertsConfig(frozen=True, quant="none", lora_rank=8), r"its run's frozen stacks are stored as experts.quant = "
+                                                            r"'nf4', this profile's as 'none': set experts.quant = 'nf4'"),
+], ids=["into-trainable", "into-bf16-frozen"])
+def test_init_from_a_frozen_run_into_a_model_frozen_otherwise_names_the_cause(trained, experts, says):
+    """Not the first tensor that had no place (a LoRA adapter, a packed stack): the setting that differs."""
+    _, _, frozen = trained
+    model = build_model(ModelConfig(n_rows=1, d_model=32, n_heads=2, context=16),
+                        PoolConfig(n_experts=4, top_k=2, d_expert=32), 30, "cpu", experts=experts, init_frozen=False)
+    with pytest.raises(CheckpointError, match=says) as err:
+        init_from_checkpoint(model, Checkpoint.load(frozen.run_dir / "best.pt"), frozen.run_dir / "best.pt")
+    assert "\n" not in str(err.value)
 
 
 def test_a_blocksize_experts_cannot_fill_is_a_one_line_config_error():

@@ -134,6 +134,19 @@ def test_train_init_from_the_dense_twin_trains_the_upcycled_model(dense_run, tmp
     assert result.losses[0] == pytest.approx(dense_run.losses[-1], abs=0.3)
 
 
+def test_init_says_when_the_same_weights_would_compute_another_attention(dense_run, tmp_path):
+    """n_heads and rope_base keep every shape, so the copy succeeds: it is said, not refused."""
+    from minagi.trainer import train
+    text, said = dense_run.run_dir.parent.parent / "text.txt", []
+    for name, extra in (("heads", ["model.n_heads=4"]), ("same", [])):
+        cfg = tiny_cfg(tmp_path, text, "train.steps=2", "train.warmup_steps=1", *extra, run_name=name)
+        train(cfg, "tiny", progress=False, log=said.append, argv=["test"], init=dense_run.run_dir / "best.pt")
+        said.append(f"-- {name}")
+    warnings = [m for m in said if m.startswith(("warning: --init", "--"))]
+    assert len(warnings) == 3 and warnings[1:] == ["-- heads", "-- same"]
+    assert "model.n_heads = 4 here, 2 in the run it comes from" in warnings[0]
+
+
 def test_a_dense_twin_of_another_width_is_a_one_line_error_naming_the_tensor_and_both_shapes(dense_run, tmp_path):
     cfg = tiny_cfg(tmp_path, None, "pool.d_expert=16")  # the twin is 64 wide; this pool's twin would be 32
     _, vocab, _ = load_trained(dense_run.run_dir / "best.pt")
