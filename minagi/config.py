@@ -737,18 +737,23 @@ def apply_overrides(cfg: Config, overrides: Sequence[str], *, fit_warmup: bool =
     if (fit_warmup and "train.steps" in set_keys and "train.warmup_steps" not in set_keys
             and isinstance(train["steps"], int) and train["warmup_steps"] > train["steps"] >= 1):
         fitted = max(1, train["steps"] // 10)  # at least one: "over 0 steps" read as no warm-up at all
-        warnings.warn(f"train.warmup_steps = {train['warmup_steps']} exceeds train.steps = {train['steps']}: "
-                      f"warming up over {fitted} step{'s' if fitted > 1 else ''} (a tenth of them, at least one) "
-                      "instead; --set train.warmup_steps to choose", ConfigNote, stacklevel=2)
+        note = (f"train.warmup_steps = {train['warmup_steps']} exceeds train.steps = {train['steps']}: warming up "
+                f"over {fitted} step{'s' if fitted > 1 else ''} (a tenth of them, at least one) instead; --set "
+                "train.warmup_steps to choose")
         train["warmup_steps"] = fitted
+    else:
+        note = None
     try:
-        return _from_dict(d)
+        cfg = _from_dict(d)
     except ConfigError as err:
         culprits = ([err.key] if err.key in set_keys else
                     [k for k in set_keys if k in err.related] or
                     [k for k in set_keys if err.key and k.split(".")[0] == err.key.split(".")[0]]
                     or set_keys)
         raise ConfigError(f"--set {', '.join(dict.fromkeys(culprits))}: {err}", err.key, err.related) from None
+    if note is not None:  # said once the settings hold: before an unrelated error it would mislead
+        warnings.warn(note, ConfigNote, stacklevel=2)
+    return cfg
 
 
 def load_config(profile: str | None, overrides: Sequence[str] = ()) -> Config:

@@ -34,7 +34,15 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
     cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))
-    changed = apply_overrides(cfg, overrides)  # first: a misspelled key is named as unknown, with a guess
+    try:  # first: a misspelled key is named as unknown, with a guess
+        changed = apply_overrides(cfg, overrides)
+    except ConfigError as err:
+        if err.key != "train.warmup_steps":
+            raise
+        warmup = cfg.train.warmup_steps  # not resumable, so "lower the warm-up" is no advice here
+        raise ConfigError(f"--set train.steps: the run warms up over {warmup} steps (train.warmup_steps, fixed when "
+                          f"it began), so it trains at least that far: --set train.steps={warmup} or more",
+                          "train.steps") from None
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key not in RESUMABLE_KEYS:

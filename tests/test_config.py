@@ -326,6 +326,8 @@ def test_a_set_of_train_steps_below_the_profiles_warmup_fits_the_warmup_and_says
         warnings.simplefilter("error")  # no note when the warmup fits, or was set too
         assert load_config(str(path), ["train.steps=60"]).train.warmup_steps == 50
         assert load_config(str(path), ["train.steps=40", "train.warmup_steps=5"]).train.warmup_steps == 5
+        with pytest.raises(ConfigError, match="lora_rank"):  # an unrelated error: said alone, no note before it
+            load_config(str(path), ["train.steps=40", "experts.lora_rank=4"])
 
 
 def test_apply_overrides_accepts_a_single_string():

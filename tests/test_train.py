@@ -294,12 +294,26 @@ def test_a_resume_parses_the_config_of_run_json_and_of_last_pt_once_each(tmp_pat
     assert sorted(parsed) == ["last.pt", "run.json"]
 
 
+def _with_run_json(run_dir: Path, copy: Path, **train_settings) -> Path:
+    """A copy of a run folder whose run.json says other [train] settings (what resume_config reads)."""
+    import shutil
+    shutil.copytree(run_dir, copy)
+    info = json.loads((copy / "run.json").read_text())
+    info["config"]["train"].update(train_settings)
+    (copy / "run.json").write_text(json.dumps(info))
+    return copy
+
+
 def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
     done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
     with pytest.raises(ConfigError, match=r"--set model\.d_model: cannot be changed when resuming"):
         resume_config(done.run_dir, ["model.d_model=64"])
     with pytest.raises(ConfigError, match=r"unknown key 'train\.stepz'.*did you mean 'steps'"):
         resume_config(done.run_dir, ["train.stepz=5"])  # a misspelling, not a refused change
+    with pytest.raises(ConfigError, match=r"^--set train\.steps: the run warms up over 50 steps \(train\.warmup_steps, "
+                                          r"fixed when it began\), so it trains at least that far: --set "
+                                          r"train\.steps=50 or more$"):
+        resume_config(_with_run_json(done.run_dir, tmp_path / "long", steps=60, warmup_steps=50), ["train.steps=3"])
     with pytest.raises(ConfigError, match="already at step 2"):
         train(resume_config(done.run_dir)[0], "tiny", done.run_dir, progress=False, log=lambda m: None)
     # A library caller passing a different config is stopped by last.pt itself.
