@@ -19,10 +19,10 @@ from torch import Tensor
 
 from . import devices, distributed, watch
 from .assemble import Training, build_training, restore_training
-from .checkpoint import Checkpoint, CorpusSummary
+from .checkpoint import Checkpoint, CheckpointError, CorpusSummary
 from .config import Config, ConfigError, config_to_dict
 from .data import Corpus, heldout_batches
-from .loading import init_from_checkpoint
+from .loading import init_from_checkpoint, resolve_model_path
 from .resume import check_corpus_fits, check_same_corpus, describe_corpus, load_run_corpus, open_checkpoint
 from .runlog import RunFolder
 
@@ -110,6 +110,7 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
     what a resume's extension does to the learning rate (`restore_training`)."""
     start, vocab = None, ckpt.vocab if ckpt is not None else None
     if init is not None:  # every rank reads it (rank 0 first: a bad file is one error everywhere)
+        init = _init_file(init)
         start = distributed.main_first(lambda: Checkpoint.load(init, map_location="cpu"), rank, world_size)
         vocab = start.vocab
     # Rank 0 encodes and caches the corpus; the others then read its cache entry.
@@ -136,6 +137,15 @@ def _set_up(cfg: Config, folder: RunFolder, run_name: str, ckpt: Checkpoint | No
         del start
     note = restore_training(training, ckpt) if ckpt is not None else None
     return RunStart(folder, run_name, corpus, eval_batches, training, ckpt), note
+
+
+def _init_file(init: str | Path) -> Path:
+    """--init's checkpoint: a file as given, or a run folder's best.pt (else last.pt), as sample.py reads one."""
+    from . import export
+    if Path(init).is_dir() and export.is_export(Path(init)):
+        raise CheckpointError(f"--init {init}: an exported model (for writing and scoring); a run starts from a "
+                              "checkpoint: the run folder it was exported from, or its best.pt")
+    return resolve_model_path(init)
 
 
 def _warn_reread_attention(cfg: Config, start: Checkpoint, init, say: Callable[[str], None]) -> None:

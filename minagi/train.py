@@ -47,8 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"override one setting (repeatable); on --resume only {', '.join(RESUMABLE_KEYS)}")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in this folder from its last.pt")
     p.add_argument("--run-name", help="the run folder's name under train.out_dir")
-    p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary "
-                                                  "(its expert stacks quantized when the profile freezes them)")
+    p.add_argument("--init", metavar="CKPT", help="start from a trained checkpoint's weights and vocabulary (a .pt, "
+                                                  "or a run folder: its best.pt, else last.pt); its expert stacks "
+                                                  "quantized when the profile freezes them")
     p.add_argument("--plan", nargs="?", const="auto", choices=["auto", *PLAN_TARGETS], metavar="TARGET",
                    help="print the predicted memory peak of the settings by part (weights, gradients, optimizer "
                         "states, activations, ...) and exit, building nothing; TARGET: the kind of device "

@@ -352,6 +352,8 @@ def test_resolve_profile_takes_a_name_a_name_with_suffix_or_an_existing_path(tmp
     assert resolve_profile(str(tmp_path / "mine")) == path  # a path's .toml may be left off, as a name's
     msg = error_of(resolve_profile, str(tmp_path / "yours"))
     assert msg.startswith(f"unknown profile '{tmp_path / 'yours'}': no such file, nor {tmp_path / 'yours.toml'} ")
+    assert error_of(resolve_profile, "cpu_tny").endswith("; did you mean 'cpu_tiny'?")  # a typo of a name
+    assert error_of(resolve_profile, str(tmp_path)).startswith(f"--profile {tmp_path}: a folder, not a profile")
 
 
 def test_description_is_allowed_beside_the_sections(tmp_path):

@@ -129,7 +129,7 @@ def test_init_from_a_dense_twin_checkpoint_upcycles_it_and_the_model_writes_the_
 
 def test_train_init_from_the_dense_twin_trains_the_upcycled_model(dense_run, tmp_path):
     result = run_tiny(tmp_path, dense_run.run_dir.parent.parent / "text.txt", run_name="upcycled",
-                      init=dense_run.run_dir / "best.pt")
+                      init=dense_run.run_dir)  # a run folder: its best.pt, as sample.py reads one
     assert result.losses[0] < dense_run.losses[0]  # it starts where the twin ended, not from scratch
     assert result.losses[0] == pytest.approx(dense_run.losses[-1], abs=0.3)
 
@@ -145,6 +145,16 @@ def test_init_says_when_the_same_weights_would_compute_another_attention(dense_r
     warnings = [m for m in said if m.startswith(("warning: --init", "--"))]
     assert len(warnings) == 3 and warnings[1:] == ["-- heads", "-- same"]
     assert "model.n_heads = 4 here, 2 in the run it comes from" in warnings[0]
+
+
+def test_init_from_an_exported_folder_says_to_start_from_the_run_instead(dense_run, tmp_path):
+    exported = tmp_path / "out"
+    exported.mkdir()
+    for name in ("model.safetensors", "config.json", "vocab.json"):
+        (exported / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"--init .*out: an exported model \(for writing and scoring\); a run "
+                                              r"starts from a checkpoint: the run folder it was exported from"):
+        run_tiny(tmp_path, dense_run.run_dir.parent.parent / "text.txt", run_name="x", init=exported)
 
 
 def test_a_dense_twin_of_another_width_is_a_one_line_error_naming_the_tensor_and_both_shapes(dense_run, tmp_path):
