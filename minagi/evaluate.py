@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     utf8_stdout()  # the report names characters outside the vocabulary
     try:
+        if args.json and not Path(args.json).resolve().parent.is_dir():  # before the scoring, not after it
+            raise EvalError(f"--json {args.json}: no folder {Path(args.json).resolve().parent} to write it in")
         device = devices.choose_device(args.device, "--device")
         source = resolve_model_path(args.checkpoint)  # a run folder: its best.pt, else last.pt
         model, vocab, ckpt = load_trained(source, device)

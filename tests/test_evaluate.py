@@ -154,6 +154,7 @@ def test_strip_gutenberg_scores_the_book_alone(ckpt, trained, tmp_path, capsys):
     ("stride 0", f"--stride must be in 1..{CONTEXT}"),
     ("stride past T", f"--stride must be in 1..{CONTEXT} (the checkpoint's model.context), got {CONTEXT + 1}"),
     ("nothing known", "no character could be scored"),
+    ("json folder missing", "x.json: no folder"),  # said before the scoring (captured.out stays empty)
 ])
 def test_errors_are_one_line_and_exit_2(ckpt, tmp_path, capsys, case, expected):
     good = tmp_path / "good.txt"
@@ -169,7 +170,8 @@ def test_errors_are_one_line_and_exit_2(ckpt, tmp_path, capsys, case, expected):
     data = {"missing file": "nope.txt", "directory": "folder", "empty file": "empty.txt", "not UTF-8": "latin1.txt",
             "no markers": "plain.txt", "nothing known": "unknown.txt"}.get(case, "good.txt")
     extra = {"stride 0": ["--stride", "0"], "stride past T": ["--stride", str(CONTEXT + 1)],
-             "no markers": ["--strip-gutenberg"]}.get(case, [])
+             "no markers": ["--strip-gutenberg"],
+             "json folder missing": ["--json", str(tmp_path / "nodir" / "x.json")]}.get(case, [])
     files = [str(tmp_path / data)] if case in ("nothing known", "no markers") else [str(good), str(tmp_path / data)]
     assert evaluate.main([checkpoint, "--data", *files, "--device", "cpu", *extra]) == 2
     captured = capsys.readouterr()
