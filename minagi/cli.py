@@ -58,13 +58,14 @@ def seed(text: str) -> int:
     return value
 
 
-def one_line_warnings(is_main: bool = True):
-    """warnings.showwarning for minagi's own warnings (raised in minagi/): `warning: <message>` on stderr,
-    on rank 0 only (every rank reads the same files); others (torch's) as Python shows them."""
+def one_line_warnings(is_main: bool = True, categories: tuple[type[Warning], ...] = ()):
+    """warnings.showwarning for minagi's own warnings (raised in minagi/, or of `categories` wherever a
+    tool's call puts them): `warning: <message>` on stderr, on rank 0 only (every rank reads the same
+    files); others (torch's) as Python shows them."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if MINAGI_DIR in Path(filename).resolve().parents:
+        if issubclass(category, categories) or MINAGI_DIR in Path(filename).resolve().parents:
             if is_main:
                 print(f"warning: {message}", file=sys.stderr)
             return

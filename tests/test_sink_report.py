@@ -15,7 +15,7 @@ from minagi.loading import load_trained
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import sink_report  # noqa: E402
-from tiny import run_tiny
+from tiny import run_tiny, tiny_text
 
 E, K, ROWS, BATCH, CONTEXT, EVAL_BATCHES = 4, 2, 2, 4, 16, 2
 TINY = ["model.n_rows=2", "model.d_model=32", "model.n_heads=2", f"model.context={CONTEXT}",
@@ -139,6 +139,22 @@ def test_data_outside_the_vocabulary_is_one_line_naming_the_character(ckpt, tmp_
     assert sink_report.main([str(ckpt), "--data", str(other)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "\u00e9" in err
+
+
+def test_a_too_short_text_names_it_and_a_skipped_file_is_one_warning_line(ckpt, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("ab" * 20, encoding="utf-8")
+    assert sink_report.main([str(ckpt), "--data", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {short}: its held-out split has ")
+    assert "the checkpoint's model.context" in err and "pass --data with a longer text" in err
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(tiny_text(), encoding="utf-8")
+    (folder / "b.txt").write_bytes("caf\xe9".encode("latin-1"))  # skipped, said
+    assert sink_report.main([str(ckpt), "--data", str(folder), "--batches", "1"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(warned) == 1 and warned[0].startswith("warning: ") and "b.txt" in warned[0]
 
 
 def test_missing_checkpoint_is_one_stderr_line_and_exit_2(tmp_path):

@@ -19,15 +19,16 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 from minagi import devices
 from minagi.checkpoint import CheckpointError
-from minagi.cli import OneLineParser, non_negative_int, positive_int
+from minagi.cli import OneLineParser, non_negative_int, one_line_warnings, positive_int
 from minagi.config import ConfigError
-from minagi.data import DataError, heldout_batches, load_corpus
+from minagi.data import DataError, DataWarning, heldout_batches, load_corpus
 from minagi.diagnostics import RoutingMeter, max_vio, step_counts
 from minagi.loading import load_trained
 
@@ -155,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heatmap", metavar="PNG", help="write a rows x experts load-share heatmap")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="default cpu")
     args = p.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line_warnings(categories=(DataWarning,))  # a skipped file: one line
+        return _report(args)
+
+
+def _report(args) -> int:
     if args.heatmap:
         try:  # before the model runs: fail fast
             import matplotlib  # noqa: F401
@@ -169,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         corpus = load_corpus(data_path, cfg.data.heldout_fraction, cfg.data.cache_dir, vocab=vocab,
                              strip_gutenberg=cfg.data.strip_gutenberg,
                              heldout_files=cfg.data.heldout_files if args.data is None else ())
+        if corpus.heldout_chars < cfg.model.context + 1:  # the checkpoint's context is fixed: only the text can change
+            raise DataError(f"{data_path or 'the standard library'}: its held-out split has {corpus.heldout_chars:,} "
+                            f"characters, and the checkpoint's model.context = {cfg.model.context} needs at least "
+                            f"{cfg.model.context + 1:,}: pass --data with a longer text")
         n_batches = args.batches or cfg.train.eval_batches
         batches = heldout_batches(corpus.heldout_ids, cfg.train.batch_size, cfg.model.context,
                                   n_batches, cfg.train.seed, accum_steps=cfg.train.accum_steps)
