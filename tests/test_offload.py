@@ -1,5 +1,7 @@
 """minagi.offload: frozen stacks homed on the CPU and staged per row give the resident model's bits,
 keep one row (two with prefetch) in their slots, load and save both ways."""
+import re
+
 import pytest
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
@@ -311,3 +313,10 @@ def test_a_model_built_on_its_device_to_be_loaded_takes_the_weights_as_one_built
     ids = torch.randint(0, 11, (2, 8), device=device)
     with torch.no_grad():
         assert torch.equal(plain.eval()(ids).logits, direct.eval()(ids).logits)
+
+
+def test_the_offload_line_says_the_homed_bytes_in_a_readable_unit():
+    said = []
+    build_model(CFG, POOL, 11, "cpu", experts=OFFLOADED, log=said.append)
+    line = next(m for m in said if m.startswith("offload: "))
+    assert re.search(r"CPU memory \(\d+\.\d MiB\), staged to cpu with prefetch", line), line  # not "0.00 GiB"
