@@ -16,7 +16,8 @@ train.py maps the environment variable MINAGI_SWIGLU onto it):
   jiterator  other GPUs (ROCm, a Python without Triton) under "auto", and every GPU under
              "jiterator" (how a Triton-equipped machine measures the Triton-less one): torch's
              run-time compiled elementwise kernels, one pass forward and two backward, saving only h
-             and the gate; in bf16 they read and write int64 words of 4 lanes (minagi/swiglu_jit.py).
+             and the gate; in bf16 and fp16 they read and write int64 words of 4 lanes
+             (minagi/swiglu_jit.py, minagi/swiglu_words.py).
              Probed once per device; where they fail, eager ops.
              Inside torch.compile the eager ops run instead: inductor fuses them itself.
 """

@@ -15,14 +15,9 @@ Shapes: h [R, 2F] (the gate half a, then the up half b), gate g [R], grad and ac
              picking the half, was twice as slow: docs/LOG.md.)
 Math in fp32; results stored in h's dtype (the gate terms too, as the eager ops' products are).
 
-Packed words (bf16, F a multiple of 4: the usual case). TensorIterator vectorises its loads only when
-every operand is contiguous, and the halves of h are not (row stride 2F): read one bf16 at a time,
-the kernels above reach about half of Triton's bandwidth (docs/LOG.md, session 15). So in bf16 every
-operand is viewed as int64 words of 4 bf16 lanes ([R, F/4]), and the `_packed` kernels unpack the
-lanes, compute in fp32 and pack the results (rounded to nearest even, as torch rounds): 8-byte
-loads and stores whether the view is strided or not. The gate goes in as its fp32 bits in an int64
-(jiterator gives every operand one type), and the gate terms come out as one fp32 sum of the 4 lanes
-a word, in the low 32 bits.
+Packed words (bf16 and fp16, F a multiple of 4: the usual case): every operand read as int64 words of
+4 lanes, 8-byte loads and stores where the halves of h would be read 2 bytes at a time
+(minagi/swiglu_words.py); where they cannot run, the one-lane kernels above.
 
 `works(device, dtype)` runs them once, tiny, against their torch stand-ins (`torch_elementwise`);
 a failure (no NVRTC/hipRTC, a compile error) is one warning, and the eager ops run instead.
@@ -34,6 +29,9 @@ import warnings
 
 import torch
 from torch import Tensor
+
+from . import swiglu_words
+from .swiglu_words import LANES
 
 __all__ = ["JitSwiGLU", "PACK_WORDS", "backward", "forward", "packed_works", "torch_elementwise", "works"]
 
@@ -59,72 +57,7 @@ template <typename T> void minagi_swiglu_backward_h(T a, T b, T grad, T g, T& gr
     grad_b = static_cast<T>(gated * x * s);
 }""",
 }
-# The packed kernels: bf16 lanes of int64 words (the docstring above). Helpers are templates, written
-# before the entry: jiterator's parser takes the last `template <...> type name(...) {...}` as the entry.
-_LANES = 4  # bf16 in an int64 word
-_PACKED_HELPERS = """
-template <typename T> float minagi_lane(T word, int lane) {
-    union { unsigned int u; float f; } v;  // a bf16 is the top half of an fp32
-    v.u = static_cast<unsigned int>((static_cast<unsigned long long>(word) >> (16 * lane)) & 0xFFFFull) << 16;
-    return v.f;
-}
-template <typename T> T minagi_place(float x, int lane) {
-    union { float f; unsigned int u; } v;  // x rounded to bf16, nearest-even; NaN as CUDA's 0x7FFF
-    v.f = x;
-    unsigned int bits = (v.u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FFFu : (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16;
-    return static_cast<T>(static_cast<unsigned long long>(bits) << (16 * lane));
-}
-template <typename T> float minagi_fp32(T word) {
-    union { unsigned int u; float f; } v;
-    v.u = static_cast<unsigned int>(static_cast<unsigned long long>(word) & 0xFFFFFFFFull);
-    return v.f;
-}
-template <typename T> T minagi_fp32_word(float x) {
-    union { float f; unsigned int u; } v;
-    v.f = x;
-    return static_cast<T>(static_cast<unsigned long long>(v.u));  // in the low 32 bits
-}
-"""
-_CODE["forward_packed"] = _PACKED_HELPERS + """
-template <typename T> T minagi_swiglu_forward_packed(T a, T b, T g) {
-    float gate = minagi_fp32(g);
-    T act = 0;
-    for (int lane = 0; lane < 4; ++lane) {
-        float x = minagi_lane(a, lane);
-        act |= minagi_place<T>(x / (1.0f + expf(-x)) * minagi_lane(b, lane) * gate, lane);
-    }
-    return act;
-}"""
-_CODE["backward_packed"] = _PACKED_HELPERS + """
-template <typename T> void minagi_swiglu_backward_packed(T a, T b, T grad, T g, T& grad_a, T& grad_b, T& gate_term) {
-    float gate = minagi_fp32(g), term = 0.0f;
-    T ga = 0, gb = 0;
-    for (int lane = 0; lane < 4; ++lane) {
-        float x = minagi_lane(a, lane), s = 1.0f / (1.0f + expf(-x)), silu = x * s;
-        float up = minagi_lane(b, lane), gr = minagi_lane(grad, lane), gated = gr * gate;
-        ga |= minagi_place<T>(gated * up * s * (1.0f + x * (1.0f - s)), lane);
-        gb |= minagi_place<T>(gated * silu, lane);
-        term += silu * up * gr;
-    }
-    grad_a = ga;
-    grad_b = gb;
-    gate_term = minagi_fp32_word<T>(term);
-}"""
-_CODE["backward_h_packed"] = _PACKED_HELPERS + """
-template <typename T> void minagi_swiglu_backward_h_packed(T a, T b, T grad, T g, T& grad_a, T& grad_b) {
-    float gate = minagi_fp32(g);
-    T ga = 0, gb = 0;
-    for (int lane = 0; lane < 4; ++lane) {
-        float x = minagi_lane(a, lane), s = 1.0f / (1.0f + expf(-x));
-        float gated = minagi_lane(grad, lane) * gate;
-        ga |= minagi_place<T>(gated * minagi_lane(b, lane) * s * (1.0f + x * (1.0f - s)), lane);
-        gb |= minagi_place<T>(gated * x * s, lane);
-    }
-    grad_a = ga;
-    grad_b = gb;
-}"""
-_OUTPUTS = {"forward": 1, "backward": 3, "backward_h": 2,
-            "forward_packed": 1, "backward_packed": 3, "backward_h_packed": 2}
+_OUTPUTS = {"forward": 1, "backward": 3, "backward_h": 2}
 _CHUNK = 1 << 24  # elements of [rows, F] a backward kernel call covers (96 MiB of outputs in bf16)
 _KERNELS: dict = {}
 
@@ -133,9 +66,11 @@ def _kernel(name: str):
     """The named jiterator function (made on first use; jiterator compiles per dtype on first call)."""
     if name not in _KERNELS:
         from torch.cuda import jiterator
-        n = _OUTPUTS[name]
-        _KERNELS[name] = (jiterator._create_jit_fn(_CODE[name]) if n == 1
-                          else jiterator._create_multi_output_jit_fn(_CODE[name], num_outputs=n))
+        packed = "_packed_" in name
+        source = swiglu_words.code(name) if packed else _CODE[name]
+        n = swiglu_words.OUTPUTS[name.partition("_packed_")[0]] if packed else _OUTPUTS[name]
+        _KERNELS[name] = (jiterator._create_jit_fn(source) if n == 1
+                          else jiterator._create_multi_output_jit_fn(source, num_outputs=n))
     return _KERNELS[name]
 
 
@@ -143,10 +78,10 @@ PACK_WORDS = True  # bf16 runs the packed kernels where it can; tools/bench_swig
 
 
 def _packable(h_RF2: Tensor) -> bool:
-    """Whether h can be read as int64 words of 4 bf16 lanes."""
+    """Whether h can be read as int64 words of 4 lanes (bf16 or fp16)."""
     width = h_RF2.shape[1] // 2
-    return (h_RF2.dtype == torch.bfloat16 and width % _LANES == 0 and h_RF2.stride(1) == 1
-            and h_RF2.stride(0) % _LANES == 0 and h_RF2.storage_offset() % _LANES == 0)
+    return (h_RF2.dtype in swiglu_words.FORMATS and width % LANES == 0 and h_RF2.stride(1) == 1
+            and h_RF2.stride(0) % LANES == 0 and h_RF2.storage_offset() % LANES == 0)
 
 
 def _packs(h_RF2: Tensor, elementwise, packed: bool | None) -> bool:
@@ -154,11 +89,11 @@ def _packs(h_RF2: Tensor, elementwise, packed: bool | None) -> bool:
     otherwise, or the packed kernels failed their probe on this device (the one-lane ones run then)."""
     if packed is not None:
         return packed
-    return PACK_WORDS and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device))
+    return PACK_WORDS and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device, h_RF2.dtype))
 
 
 def _words(t_RN: Tensor) -> Tensor:
-    """[R, N] bf16 -> [R, N/4] int64 words over the same memory."""
+    """[R, N] bf16 or fp16 -> [R, N/4] int64 words over the same memory."""
     return t_RN.view(torch.int64)
 
 
@@ -176,8 +111,9 @@ def forward(h_RF2: Tensor, gate_R: Tensor, elementwise=None, packed: bool | None
         return h_RF2.new_empty(0, width)
     if _packs(h_RF2, elementwise, packed):
         h_RW2 = _words(h_RF2)  # W = F/4 words a half
-        words = width // _LANES
-        return run("forward_packed", h_RW2[:, :words], h_RW2[:, words:], _gate_words(gate_R)).view(h_RF2.dtype)
+        words = width // LANES
+        name = swiglu_words.kernel_name("forward", h_RF2.dtype)
+        return run(name, h_RW2[:, :words], h_RW2[:, words:], _gate_words(gate_R)).view(h_RF2.dtype)
     return run("forward", h_RF2[:, :width], h_RF2[:, width:], gate_R[:, None])
 
 
@@ -186,16 +122,17 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = T
     """(grad h [R, 2F], grad gate [R] or None when `gate_grad` is False)."""
     run = elementwise or _launch
     rows, width = grad_RF.shape
-    packed = _packs(h_RF2, elementwise, packed)
-    name = ("backward" if gate_grad else "backward_h") + ("_packed" if packed else "")
+    packed, dtype = _packs(h_RF2, elementwise, packed), h_RF2.dtype
+    name = "backward" if gate_grad else "backward_h"
     if packed:  # the same loop over int64 words; the gate terms come back as fp32 bits
-        if not (grad_RF.stride(1) == 1 and grad_RF.stride(0) % _LANES == 0 and grad_RF.storage_offset() % _LANES == 0):
+        name = swiglu_words.kernel_name(name, dtype)
+        if not (grad_RF.stride(1) == 1 and grad_RF.stride(0) % LANES == 0 and grad_RF.storage_offset() % LANES == 0):
             grad_RF = grad_RF.clone(memory_format=torch.contiguous_format)  # whole words, a row apart
         h_RF2, grad_RF, gate_in = _words(h_RF2), _words(grad_RF), _gate_words(gate_R)
-        width //= _LANES
+        width //= LANES
     else:
         gate_in = gate_R[:, None]
-    step = max(1, chunk // max(width * (_LANES if packed else 1), 1))
+    step = max(1, chunk // max(width * (LANES if packed else 1), 1))
 
     def terms_sum(terms: Tensor) -> Tensor:
         if packed:  # each word's low 32 bits, read in place as fp32 (little-endian, as every GPU is)
@@ -206,7 +143,7 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = T
         outs = run(name, h_RF2[:, :width], h_RF2[:, width:], grad_RF, gate_in)
         grad_gate = terms_sum(outs[2]).to(gate_R.dtype) if gate_grad else None
         grad_h = torch.cat(outs[:2], dim=1)
-        return (grad_h.view(torch.bfloat16) if packed else grad_h), grad_gate
+        return (grad_h.view(dtype) if packed else grad_h), grad_gate
     grad_h = h_RF2.new_empty(rows, 2 * width)
     grad_gate = gate_R.new_empty(rows) if gate_grad else None
     for start in range(0, rows, step):
@@ -216,7 +153,7 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = T
         torch.cat(outs[:2], dim=1, out=grad_h[r])  # a block of whole rows: contiguous
         if gate_grad:
             grad_gate[r] = terms_sum(outs[2])
-    return (grad_h.view(torch.bfloat16) if packed else grad_h), grad_gate
+    return (grad_h.view(dtype) if packed else grad_h), grad_gate
 
 
 def _launch(name: str, *tensors: Tensor):
@@ -248,11 +185,11 @@ def works(device: torch.device, dtype: torch.dtype) -> bool:
                   "instead (pool.swiglu = \"eager\" chooses them without this probe)")
 
 
-def packed_works(device: torch.device) -> bool:
-    """The same question for the packed kernels (bf16); a "no" leaves the one-lane kernels running."""
-    return _asked((device.type, device.index, "packed"), lambda: _probe(device, torch.bfloat16, packed=True),
-                  f"packed jiterator SwiGLU kernels {{}} on {device} (torch {torch.__version__}): the one-lane "
-                  "jiterator kernels run instead")
+def packed_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """The same question for the packed kernels (bf16, fp16); a "no" leaves the one-lane kernels running."""
+    return _asked((device.type, device.index, str(dtype), "packed"), lambda: _probe(device, dtype, packed=True),
+                  f"packed jiterator SwiGLU kernels ({swiglu_words.FORMATS[dtype]}) {{}} on {device} (torch "
+                  f"{torch.__version__}): the one-lane jiterator kernels run instead")
 
 
 def _asked(key: tuple, probe, warning: str) -> bool:
@@ -299,8 +236,8 @@ def _first_error_line(e: Exception) -> str:
 def torch_elementwise(name: str, *tensors: Tensor):
     """The kernels' one-element functions as torch ops, in fp32, stored in the inputs' dtype: the
     probe's reference, and how the CPU tests run forward() and backward() (which build the views)."""
-    if name.endswith("_packed"):
-        return _packed_stand_in(name.removesuffix("_packed"), *tensors)
+    if "_packed_" in name:
+        return swiglu_words.stand_in(name, torch_elementwise, *tensors)
     dtype = tensors[0].dtype
     a, b, third, *rest = (t.float() for t in tensors)
     s = torch.sigmoid(a)
@@ -310,20 +247,3 @@ def torch_elementwise(name: str, *tensors: Tensor):
     grad, gated = third, third * rest[0]  # (a, b, grad, g)
     outs = (gated * b * s * (1 + a * (1 - s)), gated * silu) + ((silu * b * grad,) if name == "backward" else ())
     return tuple(o.to(dtype) for o in outs)
-
-
-def _packed_stand_in(name: str, *words: Tensor):
-    """The packed kernels as torch ops: the lanes unpacked, the one-lane stand-in's maths in fp32, the
-    results packed as the kernels pack them (the gate terms summed over a word's 4 lanes in fp32)."""
-    *halves, g = words
-    lanes = [w.contiguous().view(torch.bfloat16).float() for w in halves]  # [R, F] each
-    gate = g.to(torch.int32).view(torch.float32)                            # [R, 1]
-    outs = torch_elementwise(name, *lanes, gate)
-    outs = (outs,) if name == "forward" else outs
-    packed = [o.to(torch.bfloat16).view(torch.int64) for o in outs[:2]]
-    if name == "backward":
-        a, b, grad = lanes
-        s = torch.sigmoid(a)
-        terms = (a * s * b * grad).view(a.shape[0], -1, _LANES).sum(-1)   # [R, F/4] fp32
-        packed.append(terms.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)  # the bits in the low half
-    return packed[0] if name == "forward" else tuple(packed)
