@@ -39,7 +39,7 @@ def swiglu_jiterator(h, gate):
 
 IMPLEMENTATIONS = {"eager": swiglu.swiglu_eager, "compiled": swiglu_compiled, "triton": swiglu.swiglu,
                    "jiterator": swiglu_jiterator, "jiterator, one lane": swiglu_jiterator}
-ONE_LANE = "jiterator, one lane"  # the jiterator kernels reading one bf16 at a time (swiglu_jit.PACK_WORDS off)
+ONE_LANE = "jiterator, one lane"  # the jiterator kernels reading one element at a time (swiglu_jit.PACK_WORDS off)
 
 
 def one_lane(step):
@@ -59,11 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024, help="D = F")
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                    help="fp16: what a card without bf16 (T4, RTX 20) trains in; Triton's SwiGLU needs sm80 there")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev, dt = torch.device("cuda"), {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     N, E, K, D = args.chars, args.experts, args.top_k, args.width
     R = N * K
     torch.manual_seed(0)
@@ -88,13 +90,15 @@ def main(argv=None) -> int:
             torch.autograd.grad(y, (x, gate_up, down, gates), grad_out)
         return step
 
-    cases = {"dense SwiGLU MLP": dense_step(R, D, D, dev, dt)}
     def maybe_one_lane(name, step):
         return one_lane(step) if name == ONE_LANE else step
-    cases.update({f"SwiGLU alone [{R}, {2 * D}], {name}": maybe_one_lane(name, alone(fn))
-                  for name, fn in IMPLEMENTATIONS.items()})
-    for path in ("native", "grouped"):
-        cases.update({f"{path}, {name}": maybe_one_lane(name, pool(path, fn)) for name, fn in IMPLEMENTATIONS.items()})
+
+    # fp16: the cards it stands for run neither torch's grouped GEMM (bf16, sm90) nor minagi's Triton SwiGLU
+    kept = {k: f for k, f in IMPLEMENTATIONS.items() if args.dtype == "bf16" or k in ("eager", "jiterator", ONE_LANE)}
+    cases = {"dense SwiGLU MLP": dense_step(R, D, D, dev, dt)}
+    cases.update({f"SwiGLU alone [{R}, {2 * D}], {name}": maybe_one_lane(name, alone(fn)) for name, fn in kept.items()})
+    for path in ("native", "grouped") if args.dtype == "bf16" else ("grouped",):
+        cases.update({f"{path}, {name}": maybe_one_lane(name, pool(path, fn)) for name, fn in kept.items()})
     results = {}
     try:
         for name, fn in cases.items():
@@ -103,7 +107,7 @@ def main(argv=None) -> int:
     finally:
         dispatch.swiglu = swiglu.swiglu
     dense, dense_b2b = results["dense SwiGLU MLP"]
-    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bf16, T={N} E={E} K={K} D=F={D}, "
+    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {args.dtype}, T={N} E={E} K={K} D=F={D}, "
           f"94% sink, median of {args.repeat}")
     print("| case | ms | ms back to back | vs dense | vs dense back to back |")
     print("|---|---|---|---|---|")
