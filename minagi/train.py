@@ -272,7 +272,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
                     print(f"error: {e}", file=sys.stderr)
                 return 3
     except usage_errors as e:
-        _report(e, ranks, joined)
+        _report(_where_data_came_from(e, args), ranks, joined)
         return 2
     except torch.OutOfMemoryError as e:
         _report(RuntimeError(f"out of GPU memory ({str(e).splitlines()[0].rstrip('.')}); {_OOM_ADVICE}"), ranks, joined)
@@ -283,6 +283,16 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         print(f"final held-out: {result.heldout_loss:.4f} nats = {result.heldout_bpc:.4f} bits/char "
               f"(best {result.best_heldout_loss:.4f} nats) at step {result.step}; run folder {result.run_dir}")
     return 0
+
+
+def _where_data_came_from(e: Exception, args: argparse.Namespace) -> Exception:
+    """A data error of a path the profile gave (not --data, --set or a resumed run): named as the
+    profile's, which the user may not know is where the path came from."""
+    from minagi.data import DataError
+    given = args.data is not None or args.resume or any(s.startswith("data.path=") for s in args.sets)
+    if isinstance(e, DataError) and not given and args.profile:
+        return DataError(f"{e} (data.path of the profile {args.profile}; --data PATH trains on another)")
+    return e
 
 
 if __name__ == "__main__":

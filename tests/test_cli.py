@@ -107,3 +107,17 @@ def test_after_an_interrupted_run_says_so_the_process_lets_a_second_ctrl_c_go(mo
     finally:
         signal.signal(signal.SIGINT, before)
     assert "interrupted before training began" in capsys.readouterr().err
+
+
+def test_a_data_error_of_the_profiles_path_names_the_profile(tmp_path, capsys):
+    """A first try with someone's profile: its data.path matches nothing here, and the message says the
+    path came from the profile (the user never typed it), not from --data."""
+    profile = tmp_path / "theirs.toml"
+    profile.write_text('[data]\npath = "nowhere/*.txt"\n[train]\nsteps = 5\nwarmup_steps = 1\n')
+    assert train_py.main(["--profile", str(profile), "--set", f"train.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matched no files" in err
+    assert err.rstrip().endswith(f"(data.path of the profile {profile}; --data PATH trains on another)")
+    assert train_py.main(["--profile", str(profile), "--data", str(tmp_path / "none*.txt"),
+                          "--set", f"train.out_dir={tmp_path}"]) == 2
+    assert "data.path of the profile" not in capsys.readouterr().err  # --data: the user's own path
