@@ -1,5 +1,6 @@
 """minagi/cli.py: every command line reports a bad argument the same way (one line, exit 2), and a
 value one command takes the other takes by the same rule (seeds as train.seed)."""
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,39 @@ def test_a_data_error_of_the_profiles_path_names_the_profile(tmp_path, capsys):
     assert train_py.main(["--profile", str(profile), "--data", str(tmp_path / "none*.txt"),
                           "--set", f"train.out_dir={tmp_path}"]) == 2
     assert "data.path of the profile" not in capsys.readouterr().err  # --data: the user's own path
+
+
+_HELP_OF_EACH = """
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, "tools")  # as `python tools/X.py` has it: a tool may import its neighbour
+out = {}
+for tool in sys.argv[1:]:
+    buffer, code = io.StringIO(), 0
+    sys.argv = [f"tools/{tool}", "--help"]
+    with contextlib.redirect_stdout(buffer):
+        try:
+            runpy.run_path(f"tools/{tool}", run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out[tool] = [code, buffer.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_every_tool_answers_help_with_its_whole_first_paragraph():
+    """--help exits 0 and says what the tool is in whole sentences (four cut theirs at the first line;
+    without_triton ran "--help" as a script; routing_report exited 2). One process for all of them."""
+    import json
+    repo = Path(__file__).resolve().parent.parent
+    tools = sorted(p.name for p in (repo / "tools").glob("*.py"))
+    done = subprocess.run([sys.executable, "-c", _HELP_OF_EACH, *tools], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    for tool in tools:
+        code, text = answers[tool]
+        assert code == 0, (tool, text[-300:])
+        doc = ast.get_docstring(ast.parse((repo / "tools" / tool).read_text(encoding="utf-8"))) or ""
+        first = " ".join(doc.split("\n\n")[0].split())
+        if "entry point of" not in first:  # a thin entry point (tools/evaluate.py) shows its module's text
+            assert first and first in " ".join(text.split()), (tool, first)

@@ -49,7 +49,7 @@ PROMPT = "def main():\n    "
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="h200", help="a profile of profiles/ (its model and pool; default h200)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config overrides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

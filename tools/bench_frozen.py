@@ -123,7 +123,7 @@ def run_mode(name: str, cfg, device: torch.device, steps: int, warmup: int) -> d
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="h200_frozen")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--modes", nargs="+", default=["recompute", "pin", "offload-sync", "offload-prefetch"],

@@ -62,7 +62,7 @@ def timed_ms(fn, repeat: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=524_288, help="routed rows R (h200: 256 x 512 characters x top_k 4)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--width", type=int, default=512, help="K, the input width")

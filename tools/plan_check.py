@@ -84,7 +84,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", nargs="+",
                     default=["h200", "h200_frozen", "strix_large", "cuda_small", "h200_offload"])
     ap.add_argument("--steps", type=int, default=3,

@@ -175,6 +175,9 @@ def report(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: python tools/routing_report.py OUT (the folder tools/routing_study.py wrote)", file=sys.stderr)
         return 2

@@ -15,7 +15,10 @@ import sys
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python tools/without_triton.py SCRIPT [ARGS...]")
+        sys.exit("usage: python tools/without_triton.py SCRIPT [ARGS...] (--help says more)")
+    if sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0)
     sys.modules["triton"] = None
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` would have it
