@@ -642,9 +642,6 @@ def resolve_profile(name_or_path: str) -> Path:
     given = Path(name_or_path)
     if given.is_file():
         return given
-    if given.is_dir():
-        raise ConfigError(f"--profile {name_or_path}: a folder, not a profile (a .toml file, or one of: "
-                          f"{', '.join(available_profiles())})")
     stem = name_or_path[:-len(".toml")] if name_or_path.endswith(".toml") else name_or_path
     if "/" in stem or "\\" in stem:  # a path, not a name
         with_suffix = Path(f"{stem}.toml")
@@ -655,6 +652,9 @@ def resolve_profile(name_or_path: str) -> Path:
     candidate = PROFILES_DIR / f"{stem}.toml"
     if candidate.is_file():
         return candidate
+    if given.is_dir():  # after the shipped names: a folder here called h200 must not hide profiles/h200.toml
+        raise ConfigError(f"--profile {name_or_path}: a folder, not a profile (a .toml file, or one of: "
+                          f"{', '.join(available_profiles())})")
     raise ConfigError(f"unknown profile '{name_or_path}': no such file and no "
                       f"{_display(candidate)} (available: {', '.join(available_profiles())})"
                       f"{_hint(stem, available_profiles())}")

@@ -97,7 +97,7 @@ def _check_frozen_alike(ckpt: Checkpoint, frozen: dict, path) -> None:
     quants = {stack.quant for stack in frozen.values()}
     if not quants:
         raise CheckpointError(f"{path}: its run's experts are frozen (experts.frozen = true, experts.quant = "
-                              f"{x.quant!r}) and this profile's are trainable: a run can start from frozen stacks "
+                              f"{x.quant!r}) and this profile's are not: a run can start from frozen stacks "
                               f"only frozen the same way (set experts.frozen = true and experts.quant = {x.quant!r}), "
                               "or start from the trained run they were frozen from")
     if quants != {x.quant}:

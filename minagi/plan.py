@@ -435,8 +435,8 @@ def _persistent(cfg: Config, target: Target, counts: dict[str, int], grads_whole
     state_bytes = {"fp32": 8, "bf16": 4}[tc.optimizer_states]
     if x.frozen and x.offload == "cpu":  # the stager's slots: one row's stacks each
         nf4 = counts["stored"] // cfg.model.n_rows * (2 if x.prefetch else 1)
-    else:
-        nf4 = counts["stored"] / expert_shards
+    else:  # buffers: FSDP shards parameters only, and expert parallelism refuses frozen stacks
+        nf4 = counts["stored"]
     return {"weights": 4 * sharded, "NF4 stacks": nf4, "optimizer states": state_bytes * sharded,
             "gradients": 4 * sharded if grads_whole else 0,
             "CUDA workspaces": CUDA_WORKSPACES if target.gpu else 0}
@@ -531,8 +531,8 @@ def plan_memory(cfg: Config, target: Target | str = "sm90", *, vocab_size: int =
                stacks=(s.E * s.D * 2 * s.F, s.E * s.F * s.D) if s.pooled else (0, 0))
     persistent = _persistent(cfg, target, counts, grads_whole, weight_shards, expert_shards)
     if weight_shards > 1:  # FSDP gathers a row's shards whole (expert slices of expert parallelism stay local)
-        persistent["gathered rows"] = 2 * 8 * (row_weights + (counts["experts"] // s.L if expert_shards == weight_shards
-                                                              else 0))
+        experts_gathered = counts["experts"] // s.L if tc.expert_parallel == 1 else 0
+        persistent["gathered rows"] = 2 * 8 * (row_weights + experts_gathered)
     tape = _walk(cfg, s, st, persistent, counts, target)
     parts = tape.best_parts
     ordered = tuple(Part(k, parts[k], _HOW[k]) for k in _ORDER if parts.get(k, 0) > 0)

@@ -37,7 +37,8 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
     try:  # first: a misspelled key is named as unknown, with a guess
         changed = apply_overrides(cfg, overrides)
     except ConfigError as err:
-        if err.key != "train.warmup_steps":
+        keys = {item.partition("=")[0].strip() for item in overrides}
+        if err.key != "train.warmup_steps" or "train.steps" not in keys or "train.warmup_steps" in keys:
             raise
         warmup = cfg.train.warmup_steps  # not resumable, so "lower the warm-up" is no advice here
         raise ConfigError(f"--set train.steps: the run warms up over {warmup} steps (train.warmup_steps, fixed when "

@@ -74,7 +74,7 @@ def _kernel(name: str):
     return _KERNELS[name]
 
 
-PACK_WORDS = True  # bf16 runs the packed kernels where it can; tools/bench_swiglu.py turns it off to compare
+PACK_WORDS = True  # bf16 and fp16 run the packed kernels where they can; tools/bench_swiglu.py turns it off to compare
 
 
 def _packable(h_RF2: Tensor) -> bool:

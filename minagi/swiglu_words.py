@@ -141,7 +141,8 @@ template <typename T> void minagi_swiglu_backward_h_packed_FORMAT(T a, T b, T gr
 
 def kernel_name(kind: str, dtype: torch.dtype) -> str:
     """"forward_packed_bf16" and the like: a kernel kind ("forward", "backward", "backward_h") in a format.
-    Each format's entry has a name of its own (jiterator keeps its kernels by name)."""
+    Each format's entry has a name of its own, so a compiled kernel is never mistaken for the other
+    format's whatever jiterator's caches key on."""
     return f"{kind}_packed_{FORMATS[dtype]}"
 
 

@@ -289,7 +289,7 @@ def _where_data_came_from(e: Exception, args: argparse.Namespace) -> Exception:
     """A data error of a path the profile gave (not --data, --set or a resumed run): named as the
     profile's, which the user may not know is where the path came from."""
     from minagi.data import DataError
-    given = args.data is not None or args.resume or any(s.startswith("data.path=") for s in args.sets)
+    given = args.data is not None or args.resume or any(s.partition("=")[0].strip() == "data.path" for s in args.sets)
     if isinstance(e, DataError) and not given and args.profile:
         return DataError(f"{e} (data.path of the profile {args.profile}; --data PATH trains on another)")
     return e

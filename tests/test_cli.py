@@ -122,6 +122,9 @@ def test_a_data_error_of_the_profiles_path_names_the_profile(tmp_path, capsys):
     assert train_py.main(["--profile", str(profile), "--data", str(tmp_path / "none*.txt"),
                           "--set", f"train.out_dir={tmp_path}"]) == 2
     assert "data.path of the profile" not in capsys.readouterr().err  # --data: the user's own path
+    assert train_py.main(["--profile", str(profile), "--set", f"data.path = {tmp_path / 'none*.txt'}",
+                          "--set", f"train.out_dir={tmp_path}"]) == 2
+    assert "data.path of the profile" not in capsys.readouterr().err  # --set, spaced as --set allows
 
 
 _HELP_OF_EACH = """

@@ -356,6 +356,12 @@ def test_resolve_profile_takes_a_name_a_name_with_suffix_or_an_existing_path(tmp
     assert error_of(resolve_profile, str(tmp_path)).startswith(f"--profile {tmp_path}: a folder, not a profile")
 
 
+def test_a_folder_here_named_as_a_profile_does_not_hide_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h200").mkdir()  # e.g. an out_dir named after the profile
+    assert resolve_profile("h200") == PROFILES_DIR / "h200.toml"
+
+
 def test_description_is_allowed_beside_the_sections(tmp_path):
     path = write(tmp_path, 'description = "a test box"\n[train]\nsteps = 40\n')
     assert load_config(str(path)).train.steps == 40

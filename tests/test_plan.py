@@ -76,6 +76,12 @@ def test_a_sharded_layouts_plan_holds_a_ranks_share_as_the_layouts_formula_count
     assert ep_states == pytest.approx(model_bytes_per_rank(ep, 8, vocab=256)["states"], rel=1e-2)
     assert "gathered rows" not in parts
     assert plan_module.layout_shards(load_config("h200"), 8) == (1, 1)  # ddp: every rank holds it all
+    both = load_config("h200x8_fsdp", ["train.expert_parallel=8"])  # fsdp with expert slices: never gathered
+    parts = {p.name: p.bytes for p in plan_memory(both, "sm90", world_size=8, weight_shards=8, expert_shards=8).parts}
+    assert parts["gathered rows"] == pytest.approx(model_bytes_per_rank(both, 8, vocab=256)["gathered"], rel=1e-3)
+    frozen = load_config("h200_frozen", ["train.parallel=fsdp"])  # frozen stacks are buffers: whole on every rank
+    parts = {p.name: p.bytes for p in plan_memory(frozen, "sm90", world_size=8, weight_shards=8, expert_shards=8).parts}
+    assert parts["NF4 stacks"] == {p.name: p.bytes for p in plan_memory(frozen, "sm90").parts}["NF4 stacks"]
 
 
 def test_the_plan_says_what_each_setting_saves():

@@ -314,6 +314,8 @@ def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
                                           r"fixed when it began\), so it trains at least that far: --set "
                                           r"train\.steps=50 or more$"):
         resume_config(_with_run_json(done.run_dir, tmp_path / "long", steps=60, warmup_steps=50), ["train.steps=3"])
+    with pytest.raises(ConfigError, match=r"--set train\.warmup_steps"):  # not said as a train.steps problem
+        resume_config(tmp_path / "long", ["train.warmup_steps=99999"])
     with pytest.raises(ConfigError, match="already at step 2"):
         train(resume_config(done.run_dir)[0], "tiny", done.run_dir, progress=False, log=lambda m: None)
     # A library caller passing a different config is stopped by last.pt itself.

@@ -194,7 +194,8 @@ def _report(args) -> int:
     table = sink_table(route_heldout(model, batches, device), cfg.pool.top_k, cfg.pool.sink_ratio, args.top)
     print(f"checkpoint {args.checkpoint} (step {'?' if ckpt.step is None else ckpt.step}), held-out text of "
           f"{data_path or 'the standard library sources'}: {n_batches} batches x "
-          f"{cfg.train.batch_size} x {cfg.model.context} characters, device {device.type}")
+          + (f"{cfg.train.accum_steps} micro-batches x " if cfg.train.accum_steps > 1 else "")
+          + f"{cfg.train.batch_size} x {cfg.model.context} characters, device {device.type}")
     print(format_table(table))
     if args.heatmap:
         try:
