@@ -253,7 +253,7 @@ def test_init_from_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(t
 
 @pytest.mark.parametrize("experts,says", [
     (ExpertsConfig(), r"its run's experts are frozen \(experts.frozen = true, experts.quant = 'nf4'\) and this "
-                      r"profile's are trainable: .*set experts.frozen = true and experts.quant = 'nf4'"),
+                      r"profile's are not: .*set experts.frozen = true and experts.quant = 'nf4'"),
     (ExpertsConfig(frozen=True, quant="none", lora_rank=8), r"its run's frozen stacks are stored as experts.quant = "
                                                             r"'nf4', this profile's as 'none': set experts.quant = 'nf4'"),
 ], ids=["into-trainable", "into-bf16-frozen"])
