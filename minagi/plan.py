@@ -606,9 +606,13 @@ def layout_shards(cfg: Config, world_size: int) -> tuple[int, int]:
     return fsdp, ep if ep > 1 else fsdp
 
 
-def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: int = 1, vocab_size: int = 256) -> str:
+def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: int = 1,
+                vocab_size: int | None = None) -> str:
     """`describe` of the plan for `target` ("auto": this machine), with whether it fits this GPU (or
-    memory.gpu_cap_gib) and how to plan for another kind of card."""
+    memory.gpu_cap_gib) and how to plan for another kind of card. `vocab_size`: the run's, when known
+    (a resumed run's); else 256 assumed."""
+    vocab = f"vocabulary of {vocab_size}" if vocab_size else "vocabulary of 256 assumed"
+    vocab_size = vocab_size or 256
     here, total = local_target()
     chosen = here if target == "auto" else TARGETS[target]
     weight_shards, expert_shards = layout_shards(cfg, world_size)
@@ -616,8 +620,7 @@ def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: in
                        expert_shards=expert_shards)
     layout = (f", weights sharded {weight_shards} ways" if weight_shards > 1 else "") + (
         f", experts {expert_shards} ways" if expert_shards > 1 else "")
-    lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}{layout}, vocabulary of "
-                            f"{vocab_size} assumed)")]
+    lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}{layout}, {vocab})")]
     cap = cfg.memory.gpu_cap_gib * GiB if cfg.memory.gpu_cap_gib > 0 else None
     limits = [x for x in (cap, total if chosen is here else None) if x is not None]
     room = min(limits) if limits else None

@@ -254,7 +254,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         if args.plan:
             from minagi.plan import plan_report
             if ranks.is_main:
-                print(plan_report(cfg, profile, args.plan, world_size=world_size))
+                print(plan_report(cfg, profile, args.plan, world_size=world_size, vocab_size=_run_vocab(args.resume)))
             return 0
         if launching:
             return _launch(args.nproc_per_node, entry, argv)
@@ -283,6 +283,15 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         print(f"final held-out: {result.heldout_loss:.4f} nats = {result.heldout_bpc:.4f} bits/char "
               f"(best {result.best_heldout_loss:.4f} nats) at step {result.step}; run folder {result.run_dir}")
     return 0
+
+
+def _run_vocab(resume: str | None) -> int | None:
+    """A resumed run's vocabulary size, from its run.json (None when not resuming, or not recorded)."""
+    if not resume:
+        return None
+    from minagi.runlog import read_run_info
+    corpus = read_run_info(Path(resume)).get("corpus") or {}
+    return corpus.get("vocab_size")
 
 
 def _where_data_came_from(e: Exception, args: argparse.Namespace) -> Exception:

@@ -1,6 +1,7 @@
 """Will it fit (minagi/plan.py, train.py --plan): every shipped profile planned on every target in
 seconds, its parts adding up to its peak; the weights it counts and the tensors it says a row saves
 for backward against the model built on the CPU and autograd's own saved tensors."""
+import json
 import time
 
 import pytest
@@ -42,6 +43,15 @@ def test_train_py_plan_prints_the_parts_and_exits_0_building_nothing(monkeypatch
         assert part in out, part
     assert train_py.main(["--profile", "cpu_tiny", "--plan"]) == 0  # this machine
     assert "planned for cpu (this machine)" in capsys.readouterr().out
+
+
+def test_a_resumed_runs_plan_uses_its_vocabulary(tmp_path, capsys):
+    from tiny import run_tiny
+    done = run_tiny(tmp_path, None, "train.steps=2", "train.warmup_steps=1")
+    assert train_py.main(["--resume", str(done.run_dir), "--plan", "cpu"]) == 0
+    vocab = json.loads((done.run_dir / "run.json").read_text())["corpus"]["vocab_size"]
+    out = capsys.readouterr().out
+    assert f"(1 rank, vocabulary of {vocab})" in out and "assumed" not in out
 
 
 def test_on_a_gpu_the_plan_says_whether_it_fits_the_card_or_its_cap(monkeypatch):
