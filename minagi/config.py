@@ -647,17 +647,23 @@ def resolve_profile(name_or_path: str) -> Path:
         with_suffix = Path(f"{stem}.toml")
         if with_suffix.is_file():
             return with_suffix
+        if given.is_dir():
+            raise _a_folder(name_or_path)
         raise ConfigError(f"unknown profile '{name_or_path}': no such file, nor {with_suffix} (a name without a "
                           f"folder is one of: {', '.join(available_profiles())})")
     candidate = PROFILES_DIR / f"{stem}.toml"
     if candidate.is_file():
         return candidate
     if given.is_dir():  # after the shipped names: a folder here called h200 must not hide profiles/h200.toml
-        raise ConfigError(f"--profile {name_or_path}: a folder, not a profile (a .toml file, or one of: "
-                          f"{', '.join(available_profiles())})")
+        raise _a_folder(name_or_path)
     raise ConfigError(f"unknown profile '{name_or_path}': no such file and no "
                       f"{_display(candidate)} (available: {', '.join(available_profiles())})"
                       f"{_hint(stem, available_profiles())}")
+
+
+def _a_folder(name_or_path: str) -> ConfigError:
+    return ConfigError(f"--profile {name_or_path}: a folder, not a profile (a .toml file, or one of: "
+                       f"{', '.join(available_profiles())})")
 
 
 def _read_profile(path: Path) -> dict:
