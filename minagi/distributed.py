@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["LaunchError", "RankInfo", "all_reduce_sum", "destroy_process_group", "from_main",
            "init_process_group", "wrap_ddp", "is_shared_error", "launch_local",
-           "main_first", "mean_over_ranks", "one_rank_group", "process_group", "rank_info"]
+           "main_first", "mean_over_ranks", "one_rank_group", "process_group", "rank_info",
+           "windows_store_without_libuv"]
 
 T = TypeVar("T")
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -93,6 +94,7 @@ def launch_local(nproc: int, script: str, script_args: list[str], module: bool =
 
     # The agent logs each failure (and its rendezvous chatter) besides raising it: the rank has spoken.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    windows_store_without_libuv()
     args = torchrun.parse_args(["--standalone", f"--nproc_per_node={nproc}", *(["-m"] if module else []), script,
                                 *script_args])
     try:
@@ -119,6 +121,7 @@ def init_process_group(info: RankInfo, device: torch.device) -> torch.device:
     """
     if not info.distributed:
         return device
+    windows_store_without_libuv()
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if info.local_rank >= visible:
@@ -133,6 +136,14 @@ def init_process_group(info: RankInfo, device: torch.device) -> torch.device:
     else:
         dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size)
     return device
+
+
+def windows_store_without_libuv() -> None:
+    """USE_LIBUV=0 on Windows unless set: torch 2.4-2.6 asked its TCPStore for libuv there, which Windows
+    builds lack ("use_libuv was requested but PyTorch was build without libuv support", pytorch#139990;
+    the environment variable is that issue's workaround). The ranks inherit it."""
+    if sys.platform == "win32":
+        os.environ.setdefault("USE_LIBUV", "0")
 
 
 def gpu_backend() -> str:

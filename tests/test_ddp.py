@@ -374,3 +374,20 @@ def test_a_gpu_rank_joins_through_nccl_where_torch_has_it_and_gloo_where_it_does
     info = distributed.RankInfo(rank=1, local_rank=1, world_size=2)
     assert distributed.init_process_group(info, torch.device("cuda")) == torch.device("cuda", 1)
     assert [name for name, _ in calls] == [backend] and ("device_id" in calls[0][1]) == nccl
+
+
+@pytest.mark.parametrize("platform, preset, expected", [("win32", None, "0"), ("win32", "1", "1"), ("linux", None, None)])
+def test_ranks_on_windows_join_a_store_without_libuv_unless_told_otherwise(monkeypatch, platform, preset, expected):
+    """torch 2.4-2.6 asked for a libuv TCPStore, which Windows builds lack (pytorch#139990)."""
+    import torch.distributed as dist
+
+    from minagi import distributed
+    monkeypatch.setattr(sys, "platform", platform)
+    if preset is None:
+        monkeypatch.delenv("USE_LIBUV", raising=False)
+    else:
+        monkeypatch.setenv("USE_LIBUV", preset)
+    seen = []
+    monkeypatch.setattr(dist, "init_process_group", lambda name, **kw: seen.append(os.environ.get("USE_LIBUV")))
+    distributed.init_process_group(distributed.RankInfo(rank=0, local_rank=0, world_size=2), torch.device("cpu"))
+    assert seen == [expected]
