@@ -26,8 +26,9 @@ against (docs/benchmarks.md §15):
 - the allocator's slack over the allocated peak: ~2% with expandable segments, ~15% without (measured).
 
 `world_size` divides the batch (DDP: everything else is replicated). `weight_shards` / `expert_shards`
-are the seam for sharded runs (FSDP, expert parallelism): they divide the persistent terms of the
-dense weights and of the expert stacks; a sharded run's gathered-weights terms are theirs to add.
+divide the persistent terms of the dense weights and of the trainable expert stacks for sharded runs
+(FSDP, expert parallelism; frozen stacks are buffers, whole on every rank), and FSDP's gathered rows
+are a part of their own. minagi/plan_report.py says what the plan is for a run's layout and card.
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ from dataclasses import dataclass, field
 from .config import Config
 from .dispatch import PACKED, layered_layout
 
-__all__ = ["TARGETS", "MemoryPlan", "Part", "Target", "describe", "local_target", "plan_memory", "plan_report",
-           "row_saved", "weight_counts"]
+__all__ = ["TARGETS", "MemoryPlan", "Part", "Target", "gib", "plan_memory", "row_saved", "weight_counts"]
 
 GiB = 2 ** 30
 CUDA_WORKSPACES = 72 * 2 ** 20   # allocated beyond the tensors after a step (cuBLAS/cuBLASLt): H200 figures
@@ -551,9 +551,9 @@ def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[s
              f"compute in {dict([(2, 'bf16/fp16'), (4, 'fp32')])[s.c]}, dispatch path {s.path}",
              f"weights: {counts['trainable']:,} trainable"
              + (f", {counts['frozen']:,} frozen" if counts["frozen"] else ""),
-             f"activations a row: {_gib(per_row)} without row checkpointing, {_gib(row_saved(s, True)['input'])} with "
+             f"activations a row: {gib(per_row)} without row checkpointing, {gib(row_saved(s, True)['input'])} with "
              f"({per_row / s.N:,.0f} and {4 * s.D} bytes a character; checkpointed, one row at a time is replayed "
-             f"in full); weight copies a row: {_gib(weight_copies(s))}"]
+             f"in full); weight copies a row: {gib(weight_copies(s))}"]
     if s.pooled and s.path not in PACKED:
         notes.append(f"dispatch {s.path}: padded / routed rows {s.pad:.2f} with one expert at pool.sink_ratio = "
                      f"{cfg.pool.sink_ratio:g} x its fair share")
@@ -564,71 +564,6 @@ def _notes(cfg: Config, s: _Shape, st: _Step, counts: dict[str, int]) -> tuple[s
     return tuple(notes)
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """A byte count as GiB from 1 GiB up, MiB below."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
-
-
-def describe(plan: MemoryPlan, title: str = "") -> str:
-    """The plan as text: the parts, the peak allocated, the slack, the peak reserved, the notes."""
-    width = max(len(p.name) for p in (*plan.parts, plan.slack))
-    lines = [f"memory plan{' for ' + title if title else ''} on {plan.target.about}:"]
-    for part in plan.parts:
-        lines.append(f"  {part.name:<{width}}  {_gib(part.bytes):>10}   {part.how}")
-    lines.append(f"  {'peak allocated':<{width}}  {_gib(plan.peak_allocated):>10}   during the {plan.phase}")
-    if plan.target.gpu:
-        lines.append(f"  {plan.slack.name:<{width}}  {_gib(plan.slack.bytes):>10}   {plan.slack.how}")
-        lines.append(f"  {'peak reserved':<{width}}  {_gib(plan.peak_reserved):>10}   what the card must have free")
-    else:
-        lines.append("  (the CPU: tensors only; the process also holds torch itself, a few hundred MiB)")
-    lines += [f"  - {note}" for note in plan.notes]
-    return "\n".join(lines)
-
-
-def local_target() -> tuple[Target, int | None]:
-    """This machine's kind (its first GPU's, else the CPU) and that GPU's memory in bytes (None on the CPU).
-    Asks the driver for properties only: nothing is allocated."""
-    import torch
-    if not torch.cuda.is_available():
-        return TARGETS["cpu"], None
-    props = torch.cuda.get_device_properties(0)
-    if torch.version.hip:
-        kind = "rocm"
-    else:
-        kind = "sm90" if (props.major, props.minor) >= (9, 0) else "sm80" if props.major >= 8 else "sm75"
-    return TARGETS[kind], props.total_memory
-
-
-def layout_shards(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(weight_shards, expert_shards) of cfg's layout on `world_size` ranks: train.parallel = "fsdp" shards
-    every weight W ways; train.expert_parallel = N splits the expert stacks N ways (FSDP the rest)."""
-    fsdp = world_size if cfg.train.parallel == "fsdp" else 1
-    ep = cfg.train.expert_parallel
-    return fsdp, ep if ep > 1 else fsdp
-
-
-def plan_report(cfg: Config, title: str, target: str = "auto", *, world_size: int = 1,
-                vocab_size: int | None = None) -> str:
-    """`describe` of the plan for `target` ("auto": this machine), with whether it fits this GPU (or
-    memory.gpu_cap_gib) and how to plan for another kind of card. `vocab_size`: the run's, when known
-    (a resumed run's); else 256 assumed."""
-    vocab = f"vocabulary of {vocab_size}" if vocab_size else "vocabulary of 256 assumed"
-    vocab_size = vocab_size or 256
-    here, total = local_target()
-    chosen = here if target == "auto" else TARGETS[target]
-    weight_shards, expert_shards = layout_shards(cfg, world_size)
-    plan = plan_memory(cfg, chosen, vocab_size=vocab_size, world_size=world_size, weight_shards=weight_shards,
-                       expert_shards=expert_shards)
-    layout = (f", weights sharded {weight_shards} ways" if weight_shards > 1 else "") + (
-        f", experts {expert_shards} ways" if expert_shards > 1 else "")
-    lines = [describe(plan, f"{title} ({world_size} rank{'s' if world_size > 1 else ''}{layout}, {vocab})")]
-    cap = cfg.memory.gpu_cap_gib * GiB if cfg.memory.gpu_cap_gib > 0 else None
-    limits = [x for x in (cap, total if chosen is here else None) if x is not None]
-    room = min(limits) if limits else None
-    if room is not None and chosen.gpu:
-        verdict = "fits" if plan.peak_reserved <= room else "does NOT fit"
-        what = "memory.gpu_cap_gib" if cap is not None and room == cap else "this GPU's memory"
-        lines.append(f"{verdict}: peak reserved {_gib(plan.peak_reserved)} against {_gib(room)} ({what})")
-    others = ", ".join(name for name in TARGETS if name != chosen.name)
-    lines.append(f"(planned for {chosen.name}{' (this machine)' if chosen is here else ''}; "
-                 f"--plan NAME plans for another: {others})")
-    return "\n".join(lines)

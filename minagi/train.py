@@ -252,7 +252,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         world_size = args.nproc_per_node if launching else ranks.world_size
         check_world_size(cfg, world_size)
         if args.plan:
-            from minagi.plan import plan_report
+            from minagi.plan_report import plan_report
             if ranks.is_main:
                 print(plan_report(cfg, profile, args.plan, world_size=world_size, vocab_size=_run_vocab(args.resume)))
             return 0

@@ -55,20 +55,20 @@ def test_a_resumed_runs_plan_uses_its_vocabulary(tmp_path, capsys):
 
 
 def test_on_a_gpu_the_plan_says_whether_it_fits_the_card_or_its_cap(monkeypatch):
-    from minagi import plan as plan_module
-    monkeypatch.setattr(plan_module, "local_target", lambda: (TARGETS["sm90"], 24 * 2 ** 30))  # a 24 GiB card
-    assert "does NOT fit: peak reserved" in plan_module.plan_report(load_config("h200"), "h200")
-    assert "fits: peak reserved" in plan_module.plan_report(load_config("strix_large"), "strix_large")
-    capped = plan_module.plan_report(load_config("h200_offload"), "h200_offload", "sm90")
+    from minagi import plan_report as report_module
+    monkeypatch.setattr(report_module, "local_target", lambda: (TARGETS["sm90"], 24 * 2 ** 30))  # a 24 GiB card
+    assert "does NOT fit: peak reserved" in report_module.plan_report(load_config("h200"), "h200")
+    assert "fits: peak reserved" in report_module.plan_report(load_config("strix_large"), "strix_large")
+    capped = report_module.plan_report(load_config("h200_offload"), "h200_offload", "sm90")
     assert "(memory.gpu_cap_gib)" in capped and "planned for sm90 (this machine)" in capped
-    other = plan_module.plan_report(load_config("h200"), "h200", "rocm")  # another kind: no verdict for this card
+    other = report_module.plan_report(load_config("h200"), "h200", "rocm")  # another kind: no verdict for this card
     assert not any(line.startswith(("fits:", "does NOT fit:")) for line in other.splitlines())
     assert "planned for rocm;" in other
 
 
 def test_a_sharded_layouts_plan_holds_a_ranks_share_as_the_layouts_formula_counts_it():
     """--plan with --nproc-per-node planned the whole unsharded model under FSDP and expert parallelism."""
-    from minagi import plan as plan_module
+    from minagi import plan_report as report_module
     from minagi.parallel import model_bytes_per_rank
     cfg, GiB = load_config("h200x8_fsdp"), 2 ** 30  # fsdp, 9.7B parameters
     parts = {p.name: p.bytes for p in plan_memory(cfg, "sm90", world_size=8, weight_shards=8, expert_shards=8).parts}
@@ -76,16 +76,16 @@ def test_a_sharded_layouts_plan_holds_a_ranks_share_as_the_layouts_formula_count
     states = parts["weights"] + parts["optimizer states"] + parts["gradients"]
     assert states == pytest.approx(formula["states"], rel=1e-3) and states < 20 * GiB
     assert parts["gathered rows"] == pytest.approx(formula["gathered"], rel=1e-3)
-    report = plan_module.plan_report(cfg, "h200x8_fsdp", "sm90", world_size=8)
+    report = report_module.plan_report(cfg, "h200x8_fsdp", "sm90", world_size=8)
     assert "(8 ranks, weights sharded 8 ways, experts 8 ways," in report
     assert "16,384 characters a forward on this rank (32 sequences of 512)" in report  # the rank's, not 256
     ep = load_config("h200x8_fsdp", ["train.parallel=ddp", "train.expert_parallel=8"])
-    assert plan_module.layout_shards(ep, 8) == (1, 8)
+    assert report_module.layout_shards(ep, 8) == (1, 8)
     parts = {p.name: p.bytes for p in plan_memory(ep, "sm90", world_size=8, weight_shards=1, expert_shards=8).parts}
     ep_states = parts["weights"] + parts["optimizer states"] + parts["gradients"]
     assert ep_states == pytest.approx(model_bytes_per_rank(ep, 8, vocab=256)["states"], rel=1e-2)
     assert "gathered rows" not in parts
-    assert plan_module.layout_shards(load_config("h200"), 8) == (1, 1)  # ddp: every rank holds it all
+    assert report_module.layout_shards(load_config("h200"), 8) == (1, 1)  # ddp: every rank holds it all
     both = load_config("h200x8_fsdp", ["train.expert_parallel=8"])  # fsdp with expert slices: never gathered
     parts = {p.name: p.bytes for p in plan_memory(both, "sm90", world_size=8, weight_shards=8, expert_shards=8).parts}
     assert parts["gathered rows"] == pytest.approx(model_bytes_per_rank(both, 8, vocab=256)["gathered"], rel=1e-3)

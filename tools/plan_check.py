@@ -29,7 +29,8 @@ def measure(profile: str, steps: int, sets: list[str]) -> dict:
     import torch
     from minagi import devices
     from minagi.config import load_config
-    from minagi.plan import local_target, plan_memory
+    from minagi.plan import plan_memory
+    from minagi.plan_report import local_target
     from minagi.trainer import build_training, train_step
 
     cfg = load_config(profile, [f"train.steps={steps + 10}", "train.warmup_steps=1", *sets])
