@@ -33,12 +33,19 @@ __all__ = ["INIT_LOSS_SCALE", "Training", "build_training", "check_world_size", 
 INIT_LOSS_SCALE = 2.0 ** 16  # fp16's first loss scale (torch's default); GradScaler finds its level from there
 
 
-def check_world_size(cfg: Config, world_size: int) -> None:
-    """train.batch_size is the global batch: it must split evenly over the ranks."""
-    if cfg.train.batch_size % world_size:
-        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is the global batch and must be a "
+def check_world_size(cfg: Config, world_size: int, resuming: bool = False) -> None:
+    """train.batch_size is the global batch: it must split evenly over the ranks. A resumed run keeps
+    its batch, so then the advice is a rank count that divides it."""
+    batch = cfg.train.batch_size
+    if batch % world_size:
+        if resuming:
+            counts = [n for n in range(1, batch + 1) if batch % n == 0 and n % cfg.train.expert_parallel == 0]
+            raise ConfigError(f"train.batch_size = {batch} is the run's global batch, which {world_size} ranks "
+                              f"cannot split evenly; resume it on {', '.join(map(str, counts[:8]))} rank(s)",
+                              "train.batch_size")
+        raise ConfigError(f"train.batch_size = {batch} is the global batch and must be a "
                           f"multiple of the {world_size} ranks (--nproc-per-node, or torchrun --nproc_per_node); use e.g. "
-                          f"{-(-cfg.train.batch_size // world_size) * world_size}", "train.batch_size")
+                          f"{-(-batch // world_size) * world_size}", "train.batch_size")
     parallel.check_layout(cfg, world_size)
 
 

@@ -77,7 +77,8 @@ def check_layout(cfg: Config, world_size: int) -> None:
                           f"{torch.__version__} has none: use \"ddp\"", "train.parallel")
     if world_size % tc.expert_parallel:
         raise ConfigError(f"train.expert_parallel = {tc.expert_parallel} must divide the {world_size} rank(s) "
-                          "(--nproc-per-node, or torchrun --nproc_per_node); 1 turns it off",
+                          "(--nproc-per-node, or torchrun --nproc_per_node); --set train.expert_parallel=1 "
+                          "turns it off (a resume may change it)",
                           "train.expert_parallel")
 
 

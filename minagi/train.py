@@ -250,7 +250,7 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         from minagi.trainer import NonFiniteLossError, check_world_size, train
         # With --nproc-per-node, for its N ranks before any of them starts (and imports torch).
         world_size = args.nproc_per_node if launching else ranks.world_size
-        check_world_size(cfg, world_size)
+        check_world_size(cfg, world_size, resuming=bool(args.resume))
         if args.plan:
             from minagi.plan_report import plan_report
             if ranks.is_main:

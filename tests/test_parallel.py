@@ -217,8 +217,14 @@ def test_layouts_that_cannot_run_are_one_line_errors(tmp_path, monkeypatch, caps
         with pytest.raises(ConfigError, match=why) as e:
             load_config(None, list(sets))
         assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="must divide the 3 rank"):
+    with pytest.raises(ConfigError, match=r"must divide the 3 rank.*--set train.expert_parallel=1 turns it off"):
         parallel.check_layout(load_config(None, ["train.expert_parallel=2"]), 3)
+    odd = load_config(None, ["train.batch_size=15"])
+    with pytest.raises(ConfigError, match=r"use e\.g\. 16$"):  # a new run may change its batch
+        trainer.check_world_size(odd, 2)
+    with pytest.raises(ConfigError, match=r"^train\.batch_size = 15 is the run's global batch, which 2 ranks cannot "
+                                          r"split evenly; resume it on 1, 3, 5, 15 rank\(s\)$"):
+        trainer.check_world_size(odd, 2, resuming=True)  # a resumed run may not: train.batch_size is its own
     s = Ranks(tmp_path)  # train.py refuses before joining the process group, rank 0 saying why
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
