@@ -114,16 +114,13 @@ def test_without_matplotlib_the_table_prints_then_one_line_and_exit_2(two_runs, 
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("no folder", "no such run folder"), ("no history", "no history.jsonl"), ("empty history", "empty history"),
-    ("not a history", "records lack chars_seen, heldout_loss, wall_s"),
+    ("no folder", "no such run folder"), ("not a history", "records lack chars_seen, heldout_loss, wall_s"),
     ("labels", "--labels gives 1 label(s) for 2 run(s)"),
 ])
 def test_bad_runs_or_labels_are_one_line_and_exit_2(two_runs, tmp_path, capsys, case, expected):
     target = tmp_path / "bad"
     if case != "no folder":
         target.mkdir()
-    if case == "empty history":
-        (target / "history.jsonl").write_text("")
     if case == "not a history":
         (target / "history.jsonl").write_text('{"step": 1}\n')
     runs = [str(two_runs[0]), str(two_runs[1] if case == "labels" else target)]
@@ -131,6 +128,24 @@ def test_bad_runs_or_labels_are_one_line_and_exit_2(two_runs, tmp_path, capsys, 
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err.startswith("error: ") and expected in captured.err
+
+
+@pytest.mark.parametrize("case", ["no history", "empty history"])
+def test_a_run_without_an_evaluation_yet_is_left_out_in_one_warning_line(two_runs, tmp_path, capsys, case):
+    """A run just started (or stopped before its first evaluation) beside finished ones: the table of the others."""
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    if case == "empty history":
+        (fresh / "history.jsonl").write_text("")
+    assert compare_runs.main([str(two_runs[0]), str(fresh), "--no-png"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("| run |") and len(captured.out.splitlines()) == 3  # header, rule, one run
+    assert captured.err.count("\n") == 1 and captured.err.startswith("warning: ") and "left out" in captured.err
+    assert compare_runs.main([str(fresh), "--no-png"]) == 2  # nothing at all to compare: the run's own reason
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {fresh}") and "no evaluation has run yet" in err
+    assert compare_runs.main([str(fresh), str(fresh), "--no-png", "--labels", "a,b"]) == 2
+    assert capsys.readouterr().err == "error: none of the 2 runs has an evaluation yet: nothing to compare\n"
 
 
 def test_command_line_exit_status_2_for_a_missing_run(tmp_path):

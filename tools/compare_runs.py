@@ -11,7 +11,8 @@ panels (FIG_INCHES at DPI = 1600 x 600 pixels), one line per run: held-out bits/
 characters seen, and against training wall time. A step logged twice (a run resumed from an
 earlier checkpoint) counts once, with its latest record.
 The PNG needs matplotlib (an optional extra); without it the table is still printed.
-Exit status: 0 done, 2 no run / empty history / bad --labels / no matplotlib for the PNG.
+A run without an evaluation yet is left out, said in one warning line.
+Exit status: 0 done, 2 no run / no history at all / bad --labels / no matplotlib for the PNG.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-from plot_history import HistoryError, _num, read_run_history  # noqa: E402  (the history plots' own rules)
+from plot_history import EmptyHistory, HistoryError, _num, read_run_history  # noqa: E402  (the history plots' own rules)
 
 COMPARE_PNG = "compare.png"
 FIG_INCHES = (16, 6)
@@ -118,7 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         labels = labels_for(args.runs, args.labels)
-        runs = {label: load_run(run) for label, run in zip(labels, args.runs)}
+        runs, left_out = {}, []
+        for label, run in zip(labels, args.runs):
+            try:
+                runs[label] = load_run(run)
+            except EmptyHistory as e:  # a run just started, or stopped before its first evaluation
+                left_out.append(e)
+        if not runs:
+            raise left_out[0] if len(left_out) == 1 else HistoryError(
+                f"none of the {len(left_out)} runs has an evaluation yet: nothing to compare")
+        for e in left_out:
+            print(f"warning: {e}: left out", file=sys.stderr)
     except (HistoryError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,10 @@ class HistoryError(ValueError):
     """No run folder, no history.jsonl, or no records in it; one line naming the path."""
 
 
+class EmptyHistory(HistoryError):
+    """A run with no evaluation yet: nothing to plot or compare (compare_runs leaves it out)."""
+
+
 def _num(value) -> float:
     """A history number as a float; None (a non-finite value, or absent) becomes NaN: a gap in the line."""
     return math.nan if value is None else float(value)
@@ -49,13 +53,13 @@ def read_run_history(run: str | Path) -> tuple[Path, Path, list[dict]]:
     if path.is_dir():
         run_dir, path = path, path / "history.jsonl"
         if not path.is_file():
-            raise HistoryError(f"{run_dir}: no history.jsonl in this folder (not a run folder, or no "
+            raise EmptyHistory(f"{run_dir}: no history.jsonl in this folder (not a run folder, or no "
                                "evaluation has run yet)")
     else:
         run_dir = path.parent
     records = read_history(path)
     if not records:
-        raise HistoryError(f"{path}: empty history (no evaluation has run yet)")
+        raise EmptyHistory(f"{path}: empty history (no evaluation has run yet)")
     return run_dir, path, records
 
 
