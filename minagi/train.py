@@ -32,7 +32,7 @@ from pathlib import Path
 
 # No torch in these two: a Ctrl-C while torch loads is ours to report.
 from minagi.cli import OneLineParser, one_line_warnings, positive_int, utf8_stdout
-from minagi.config import RESUMABLE_KEYS, ConfigError, load_config
+from minagi.config import RESUMABLE_KEYS, ConfigError, ConfigNote, load_config
 
 PLAN_TARGETS = ("sm90", "sm80", "sm75", "rocm", "cpu")  # minagi.plan.TARGETS (not imported here: no torch yet)
 
@@ -246,7 +246,10 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
     joined = False
     try:
         launching = launches(args.nproc_per_node, ranks)
-        cfg, profile = resolve(args)
+        with warnings.catch_warnings():
+            if launching and not args.plan:  # the ranks resolve it again, and rank 0 says its notes
+                warnings.simplefilter("ignore", ConfigNote)
+            cfg, profile = resolve(args)
         from minagi.trainer import NonFiniteLossError, check_world_size, train
         # With --nproc-per-node, for its N ranks before any of them starts (and imports torch).
         world_size = args.nproc_per_node if launching else ranks.world_size
