@@ -67,9 +67,10 @@ def open_checkpoint(run_dir: Path, cfg: Config) -> Checkpoint:
     path = run_dir / "last.pt"
     history = run_dir / "history.jsonl"
     if not path.exists() and not (history.exists() and read_history(history)):
+        own = read_run_info(run_dir)["config"]["train"]  # the run's schedule, not a --set train.steps of now
+        first = min(own.get("eval_every", cfg.train.eval_every), own.get("steps", cfg.train.steps))
         raise CheckpointError(f"{path}: no such checkpoint file: the run stopped before its first checkpoint "
-                              f"(step {min(cfg.train.eval_every, cfg.train.steps)}), so there is nothing to "
-                              f"resume; {_start_again(run_dir)}")
+                              f"(step {first}), so there is nothing to resume; {_start_again(run_dir)}")
     # A sharded layout's ranks each read the whole file: mapped, one machine's ranks share its pages
     # (POSIX: on Windows a mapped file could not be replaced by the next save).
     sharded = cfg.train.parallel == "fsdp" or cfg.train.expert_parallel > 1

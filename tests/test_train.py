@@ -630,11 +630,12 @@ def test_a_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_start_it_
         assert train_py.main(argv) == 3
     capsys.readouterr()
     run_dir = tmp_path / "runs" / "early"
-    assert train_py.main(["--resume", str(run_dir)]) == 2
-    line = _one_error_line(capsys)
-    assert line.startswith(f"error: {run_dir / 'last.pt'}: no such checkpoint file: the run stopped before its "
-                           "first checkpoint (step 3), so there is nothing to resume; start it again with its "
-                           "settings and --run-name early"), line
+    for extra in ([], ["--set", "train.steps=2"]):  # the run's first checkpoint, whatever steps are asked now
+        assert train_py.main(["--resume", str(run_dir), *extra]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"error: {run_dir / 'last.pt'}: no such checkpoint file: the run stopped before its "
+                               "first checkpoint (step 3), so there is nothing to resume; start it again with its "
+                               "settings and --run-name early"), line
     assert train_py.main(argv) == 0  # and so it does, in the same folder
     assert load_checkpoint(run_dir / "last.pt")["step"] == 6
 
