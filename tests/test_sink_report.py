@@ -67,8 +67,9 @@ def test_per_row_loads_sum_to_characters_times_top_k(ckpt):
 
 def test_printed_table_shows_the_same_numbers_as_the_data(ckpt, capsys):
     table, _ = _table(ckpt)
-    assert sink_report.main([str(ckpt)]) == 0
+    assert sink_report.main([str(ckpt.parent)]) == 0  # a run folder: its best.pt, as sample.py reads one
     out = capsys.readouterr().out
+    assert out.startswith(f"checkpoint {ckpt.parent / 'best.pt'} (step")
     n = table["characters"]
     assert f"characters {n}, top_k {K}, routed {n * K}" in out
     assert f"MaxVio (busiest over fair share - 1), mean over rows {table['max_vio']:.3f}\n" in out

@@ -30,7 +30,7 @@ from minagi.cli import OneLineParser, non_negative_int, one_line_warnings, posit
 from minagi.config import ConfigError
 from minagi.data import DataError, DataWarning, heldout_batches, load_corpus
 from minagi.diagnostics import RoutingMeter, max_vio, step_counts
-from minagi.loading import load_trained
+from minagi.loading import load_trained, resolve_model_path
 
 MATPLOTLIB_MISSING = "sink_report needs matplotlib for --heatmap: pip install matplotlib"
 USAGE_ERRORS = (CheckpointError, ConfigError, DataError, devices.DeviceError)
@@ -147,7 +147,7 @@ def write_heatmap(table: dict, out_path: Path, title: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt)")
+    p.add_argument("checkpoint", help="a minagi checkpoint (last.pt / best.pt), or a run folder (its best.pt, else last.pt)")
     p.add_argument("--data", help="held-out text from this corpus instead of the checkpoint's data.path")
     p.add_argument("--batches", type=positive_int,
                    help="held-out batches (default: the run's train.eval_batches)")
@@ -170,6 +170,7 @@ def _report(args) -> int:
             return 2
     try:
         device = devices.choose_device(args.device)
+        args.checkpoint = str(resolve_model_path(args.checkpoint))  # a run folder: its best.pt, else last.pt
         model, vocab, ckpt = load_trained(args.checkpoint, device)
         cfg = ckpt.config
         data_path = cfg.data.path if args.data is None else args.data
