@@ -684,6 +684,11 @@ def _read_profile(path: Path) -> dict:
 _KEY_RE = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*")
 
 
+def override_key(item: str) -> str:
+    """The key a ``--set section.key=value`` item sets, spaced or not (``"train.steps = 5"``)."""
+    return item.partition("=")[0].strip()
+
+
 def _parse_override(item: str) -> tuple[str, str, Any]:
     """``"section.key=value"`` -> (section, key, checked value). Errors name ``--set section.key``.
 

@@ -26,6 +26,7 @@ from .devices import Compile
 from .dispatch import resolve_dispatch
 from .experts import StackServices, build_stack, stack_services
 from .mlp import BalanceArgs, MLPAux, device_compute_dtype
+from .plan import gib
 from .pool import PooledMLP
 from .router import Router
 
@@ -235,12 +236,7 @@ def build_model(cfg: ModelConfig, pool: PoolConfig, vocab_size: int, device: tor
     if stacks.stager is not None and log is not None:
         homed = sum(s.stored_bytes() for row in stacks.stager.rows for s in row)
         log(f"offload: {len(stacks.stager.rows)} rows of frozen stacks homed in "
-            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory ({_size(homed)}), staged to "
+            f"{'pinned ' if device.type == 'cuda' else ''}CPU memory ({gib(homed)}), staged to "
             f"{device} {'with' if experts.prefetch else 'without'} prefetch"
             + ("" if device.type == "cuda" else "; on the CPU this saves no memory"))
     return model
-
-
-def _size(n: int) -> str:
-    """GiB from 1 GiB up, MiB below (a tiny model's stacks read "0.00 GiB" otherwise)."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

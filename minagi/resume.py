@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, CheckpointError
 from .config import RESUMABLE_KEYS, Config, ConfigError, DataConfig, apply_overrides, config_from_dict, \
-    config_to_dict, upgrade_config_dict
+    config_to_dict, override_key, upgrade_config_dict
 from .data import Corpus, DataError, Vocab, VocabError, file_content_key, load_corpus
 from .runlog import read_history, read_run_info
 
@@ -37,7 +37,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
     try:  # first: a misspelled key is named as unknown, with a guess
         changed = apply_overrides(cfg, overrides)
     except ConfigError as err:
-        keys = {item.partition("=")[0].strip() for item in overrides}
+        keys = {override_key(item) for item in overrides}
         if err.key != "train.warmup_steps" or "train.steps" not in keys or "train.warmup_steps" in keys:
             raise
         warmup = cfg.train.warmup_steps  # not resumable, so "lower the warm-up" is no advice here
@@ -45,7 +45,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
                           f"it began), so it trains at least that far: --set train.steps={warmup} or more",
                           "train.steps") from None
     for item in overrides:
-        key = item.partition("=")[0].strip()
+        key = override_key(item)
         if key not in RESUMABLE_KEYS:
             raise ConfigError(f"--set {key}: cannot be changed when resuming (only "
                               f"{', '.join(RESUMABLE_KEYS)} may)", key)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 # No torch in these two: a Ctrl-C while torch loads is ours to report.
 from minagi.cli import OneLineParser, one_line_warnings, positive_int, utf8_stdout
-from minagi.config import RESUMABLE_KEYS, ConfigError, ConfigNote, load_config
+from minagi.config import RESUMABLE_KEYS, ConfigError, ConfigNote, load_config, override_key
 
 PLAN_TARGETS = ("sm90", "sm80", "sm75", "rocm", "cpu")  # minagi.plan.TARGETS (not imported here: no torch yet)
 
@@ -116,7 +116,7 @@ def triton_less_compile(cfg, device, profile: str, sets: list[str]):
     refused if it cannot run); a train.compile_mode alone (as for accumulation) is not a choice of
     compiler. Asked after the allocator's settings: whether Triton can run asks the GPU."""
     from minagi import devices
-    own = any(item.startswith(("train.compile=", "train.compile_backend=")) for item in sets)
+    own = bool({"train.compile", "train.compile_backend"} & set(map(override_key, sets)))
     if device.type != "cuda" or cfg.train.compile is False or cfg.train.compile_backend != "inductor" or own:
         return cfg
     settings, why = devices.triton_less_settings(cfg.train)
@@ -301,7 +301,7 @@ def _where_data_came_from(e: Exception, args: argparse.Namespace) -> Exception:
     """A data error of a path the profile gave (not --data, --set or a resumed run): named as the
     profile's, which the user may not know is where the path came from."""
     from minagi.data import DataError
-    given = args.data is not None or args.resume or any(s.partition("=")[0].strip() == "data.path" for s in args.sets)
+    given = args.data is not None or args.resume or "data.path" in map(override_key, args.sets)
     if isinstance(e, DataError) and not given and args.profile:
         return DataError(f"{e} (data.path of the profile {args.profile}; --data PATH trains on another)")
     return e

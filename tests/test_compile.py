@@ -158,6 +158,8 @@ def test_a_profiles_compile_on_a_gpu_without_triton_becomes_what_runs_there(monk
     from minagi.config import ConfigError
     with pytest.raises(ConfigError, match="Triton"):
         preflight("train.compile=true")  # the user's own: as given, and refused
+    with pytest.raises(ConfigError, match="Triton"):
+        preflight("train.compile = true")  # spaced, as --set allows: still the user's own
     assert preflight("train.device=cpu").train.compile is True  # the CPU compiles through C++
     monkeypatch.setattr(devices, "has_triton", lambda: True)
     assert preflight().train.compile is True and devices.triton_less_settings(cfg.train) == ({}, None)
