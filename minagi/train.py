@@ -257,7 +257,8 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
         if args.plan:
             from minagi.plan_report import plan_report
             if ranks.is_main:
-                print(plan_report(cfg, profile, args.plan, world_size=world_size, vocab_size=_run_vocab(args.resume)))
+                vocab_size = _run_vocab(args.resume, args.init)
+                print(plan_report(cfg, profile, args.plan, world_size=world_size, vocab_size=vocab_size))
             return 0
         if launching:
             return _launch(args.nproc_per_node, entry, argv)
@@ -288,12 +289,20 @@ def _main(args: argparse.Namespace, argv: list[str], entry: str | None) -> int:
     return 0
 
 
-def _run_vocab(resume: str | None) -> int | None:
-    """A resumed run's vocabulary size, from its run.json (None when not resuming, or not recorded)."""
-    if not resume:
-        return None
+def _run_vocab(resume: str | None, init: str | None = None) -> int | None:
+    """The vocabulary size a run will have, from run.json: the resumed run's, or that of the run whose
+    checkpoint --init starts from (a run folder, or a checkpoint in one). None when there is neither,
+    or it is not recorded: the plan then says it assumed one."""
     from minagi.runlog import read_run_info
-    corpus = read_run_info(Path(resume)).get("corpus") or {}
+    if resume:
+        folder = Path(resume)
+    elif init:
+        folder = Path(init) if Path(init).is_dir() else Path(init).parent
+        if not (folder / "run.json").is_file():  # a checkpoint outside its run folder: not read for a plan
+            return None
+    else:
+        return None
+    corpus = read_run_info(folder).get("corpus") or {}
     return corpus.get("vocab_size")
 
 

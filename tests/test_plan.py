@@ -45,13 +45,20 @@ def test_train_py_plan_prints_the_parts_and_exits_0_building_nothing(monkeypatch
     assert "planned for cpu (this machine)" in capsys.readouterr().out
 
 
-def test_a_resumed_runs_plan_uses_its_vocabulary(tmp_path, capsys):
+def test_a_resumed_or_started_from_runs_plan_uses_its_vocabulary(tmp_path, capsys):
     from tiny import run_tiny
     done = run_tiny(tmp_path, None, "train.steps=2", "train.warmup_steps=1")
-    assert train_py.main(["--resume", str(done.run_dir), "--plan", "cpu"]) == 0
     vocab = json.loads((done.run_dir / "run.json").read_text())["corpus"]["vocab_size"]
-    out = capsys.readouterr().out
-    assert f"(1 rank, vocabulary of {vocab})" in out and "assumed" not in out
+    assert vocab != 256
+    for given in (["--resume", str(done.run_dir)], ["--init", str(done.run_dir)],
+                  ["--profile", "cpu_tiny", "--init", str(done.run_dir / "last.pt")]):
+        assert train_py.main([*given, "--plan", "cpu"]) == 0
+        out = capsys.readouterr().out
+        assert f"(1 rank, vocabulary of {vocab})" in out and "assumed" not in out, given
+    loose = tmp_path / "loose.pt"  # a checkpoint outside its run folder: no run.json to read
+    loose.write_bytes((done.run_dir / "last.pt").read_bytes())
+    assert train_py.main(["--profile", "cpu_tiny", "--init", str(loose), "--plan", "cpu"]) == 0
+    assert "vocabulary of 256 assumed" in capsys.readouterr().out
 
 
 def test_on_a_gpu_the_plan_says_whether_it_fits_the_card_or_its_cap(monkeypatch):
