@@ -94,9 +94,12 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
 
 def _seed_dropout(training: Training, step: int, micro: int) -> None:
     """Dropout masks as a function of (seed, step, micro-batch, rank): a resumed run draws the masks the
-    uninterrupted one drew, whatever ran before; each rank draws its own rows' masks."""
+    uninterrupted one drew, whatever ran before; each rank draws its own rows' masks. The micro-batch
+    counts in the low 32 bits, the only ones torch's CPU generator reads (an addend of 2**40 gave every
+    micro-batch of a step the same masks on the CPU); with one micro-batch a step, the seeds are as before."""
     if training.dropout_seed is not None:
-        torch.manual_seed((training.dropout_seed + 1_000_003 * step + micro * 2**40) % 2**63)
+        micro_batches = step * training.accum_steps + micro
+        torch.manual_seed((training.dropout_seed + 1_000_003 * micro_batches) % 2**63)
 
 
 def _micro_batch(training: Training, x: Tensor, y: Tensor, step: int, micro: int,

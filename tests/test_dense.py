@@ -68,6 +68,15 @@ def test_dense_model_has_the_parameters_its_width_gives_and_no_pools():
     assert out.routing == [None] * rows and out.aux_loss.item() == 0.0
 
 
+def test_a_training_builds_the_twin_at_model_d_dense_when_it_is_set():
+    from minagi.assemble import build_training
+    sets = ["model.mlp=dense", "model.n_rows=2", "model.d_model=16", "model.n_heads=2", "pool.top_k=2",
+            "pool.d_expert=8", "train.device=cpu"]
+    for extra, width in (([], 16), (["model.d_dense=40"], 40)):
+        training = build_training(load_config(None, sets + extra), 11, torch.device("cpu"), 1)
+        assert {tuple(row.mlp.down.shape) for row in training.model.rows} == {(width, 16)}, extra
+
+
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory):
     return run_tiny(tmp_path_factory.mktemp("dense"), None, "model.mlp=dense")

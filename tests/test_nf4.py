@@ -34,6 +34,21 @@ def relative_error(x, y):
     return ((x.double() - y.double()).norm() / x.double().norm()).item()
 
 
+# ---------------------------------------------------------------- the code table
+
+def test_the_code_table_is_qloras_normal_map_bit_for_bit():
+    """Every test above builds its expectations from nf4.NF4_TABLE, so the table is held here to its
+    definition (QLoRA's `create_normal_map(offset=0.9677083, use_extra_value=True)`, as bitsandbytes
+    builds it): 8 normal quantiles from the offset to 1/2 on the positive side, 7 on the negative, a 0,
+    sorted and divided by the largest, in fp32."""
+    offset = 0.9677083
+    positive = torch.special.ndtri(torch.linspace(offset, 0.5, 9)[:-1].double())
+    negative = -torch.special.ndtri(torch.linspace(offset, 0.5, 8)[:-1].double())
+    values = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative]).float().sort().values
+    values /= values.max()
+    assert torch.equal(torch.tensor(nf4.NF4_TABLE, dtype=torch.float32).view(torch.int32), values.view(torch.int32))
+
+
 # ---------------------------------------------------------------- golden bytes
 
 # Shape [3, 11], blocksize 32: block 0 = elements 0..31 crosses two row ends, absmax 2 (x = 2 s, exact);

@@ -149,6 +149,43 @@ def test_meter_sums_steps_until_read_then_starts_again_and_round_trips_its_state
     assert meter.read(4.0) == [] == restored.read(4.0)  # a read starts the sums again
 
 
+def test_capacity_is_the_factor_times_the_fair_share_rounded_up_by_hand():
+    """Every capacity test takes pool.capacity(n) from the code itself: here it is held to numbers."""
+    assert new_pool(D, F_, 8, 2, capacity_factor=1.0).capacity(257) == 65    # 257 * 2 / 8 = 64.25
+    assert new_pool(D, F_, 8, 2, capacity_factor=1.25).capacity(257) == 81   # 80.3
+    assert new_pool(D, F_, 8, 1, capacity_factor=1.0).capacity(256) == 32    # exact: not rounded up
+    assert new_pool(D, F_, 8, 2, capacity_factor=1.0).capacity(257, dropless=True) == 0
+    assert new_pool(D, F_, 8, 2).capacity(257) == 0                          # factor 0: uncapped
+
+
+def test_meter_sums_dropped_and_padded_rows_over_steps_into_their_fractions():
+    from minagi.diagnostics import StepCounts
+    meter = RoutingMeter()
+    for load, dropped, padded in (([4, 2, 1, 1], 3, 10), ([2, 2, 2, 2], 5, 20)):
+        meter.add(StepCounts(torch.tensor([load]), torch.tensor([dropped]), [4], [padded], ["grouped"]))
+    (diag,) = meter.read(4.0)
+    assert diag["routed"] == 16 and diag["load"] == [6, 4, 3, 3]
+    assert diag["dropped_fraction"] == 8 / 16 and diag["padding_ratio"] == 30 / 16
+
+
+def test_an_expert_is_dead_at_load_zero_only():
+    from minagi.diagnostics import summarise
+    assert summarise([5, 1, 0, 2], 0, 4, 8, "loop", 4.0)["dead"] == 1
+    assert summarise([0, 0, 0, 0], 0, 0, 0, "loop", 4.0)["dead"] == 0  # nothing routed: nothing judged
+
+
+def test_the_loop_path_counts_the_rows_it_computes_as_padded_rows():
+    """Kept rows only: the rows capacity drops are not computed there (native computes them, gate 0)."""
+    torch.manual_seed(0)
+    pool = sink_router_pool(capacity_factor=1.0)
+    pool_loop = new_pool(D, F_, E, K, "loop", capacity_factor=1.0)
+    pool_loop.load_state_dict(pool.state_dict())
+    x = torch.randn(40, D).abs()
+    counts = pool_loop(x)[1].counts
+    kept = counts.load_E.clamp(max=pool_loop.capacity(40)).sum().item()
+    assert counts.dropped.item() > 0 and counts.padded_rows == kept == 40 * K - counts.dropped.item()
+
+
 def test_top1_router_learns_from_the_loss_not_only_from_the_aux_terms():
     torch.manual_seed(0)
     pool = new_pool(D, F_, E, 1, "grouped", balance_coef=0.0)

@@ -83,6 +83,18 @@ def test_the_prepass_gives_the_pools_the_steps_counts_of_the_real_pass_even_with
     assert t.balance_prepass and torch.equal(pre.long(), stats.counts.load_LE)
 
 
+def test_each_micro_batch_and_each_step_draws_its_own_dropout_masks():
+    """The same sequences in both micro-batches of a step, and again at the next step: only the masks
+    (drawn from seed, step and micro-batch) can make their losses differ."""
+    cfg, t = _training(2, 2, "model.dropout=0.5", "pool.balance_coef=0")
+    forward, losses = t.forward, []
+    t.forward = lambda *a, **k: (out := forward(*a, **k)) and losses.append(out.loss.item()) or out
+    x, y = get_batch(IDS, 1, 16, 1337, 0)
+    for s in range(2):
+        train_step(t, x.repeat(2, 1), y.repeat(2, 1), step=s, grad_clip=1.0, world_size=1, device=CPU)
+    assert len(losses) == 4 and len(set(losses)) == 4, losses
+
+
 def test_the_prepass_runs_only_for_the_balance_term_over_an_accumulated_step(monkeypatch):
     calls = []
     monkeypatch.setattr(step_module, "routing_prepass", lambda *a: calls.append(1) or routing_prepass(*a))

@@ -197,6 +197,23 @@ def test_nan_loss_stops_at_its_step_and_leaves_the_checkpoints_of_the_step_befor
     assert all(tuple(r) == HISTORY_FIELDS and math.isfinite(r["heldout_loss"]) for r in records)
 
 
+def test_a_held_out_loss_that_is_not_finite_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_path,
+                                                                                       monkeypatch):
+    from minagi import trainer
+    real, calls = trainer.evaluate, [0]
+
+    def evaluate(*args, **kwargs):
+        calls[0] += 1
+        return float("nan") if calls[0] == 2 else real(*args, **kwargs)
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    with pytest.raises(NonFiniteLossError, match=r"^step 2: held-out loss is not finite \(nan\)") as err:
+        run_tiny(tmp_path, data_path, "train.eval_every=1")
+    assert err.value.step == 2 and "\n" not in str(err.value)
+    run_dir = tmp_path / "runs" / "run"
+    assert load_checkpoint(run_dir / "last.pt")["step"] == 1 == load_checkpoint(run_dir / "best.pt")["step"]
+    assert [r["step"] for r in read_history(run_dir / "history.jsonl")] == [1]
+
+
 def test_a_gradient_norm_that_is_not_finite_stops_before_updating_even_with_a_finite_loss(tmp_path, data_path,
                                                                                          monkeypatch):
     # sqrt'(0) is inf: a zero added to the loss, with a NaN gradient.
@@ -564,6 +581,9 @@ def test_the_flops_of_a_character_and_the_mfu_of_a_rate():
     assert flops.flops_per_char(cfg, 10) == 6 * (2 * (4 * 32**2 + 32 * 4 + 2 * 3 * 32 * 8) + 32 * 10) + 12 * 2 * 32 * 16
     dense = load_config(None, ["model.mlp=dense", "model.d_model=32", "pool.top_k=2", "pool.d_expert=8"])
     assert flops.flops_per_char(dense, 10) == 6 * (2 * (4 * 32**2 + 3 * 32 * 16) + 32 * 10) + 12 * 2 * 32 * 64
+    wider = load_config(None, ["model.mlp=dense", "model.d_dense=40", "model.d_model=32", "pool.top_k=2",
+                               "pool.d_expert=8"])  # model.d_dense, not the pool's active width
+    assert flops.flops_per_char(wider, 10) == 6 * (2 * (4 * 32**2 + 3 * 32 * 40) + 32 * 10) + 12 * 2 * 32 * 64
     assert flops.mfu(1e6, 1e6, 4.0, ranks=2) == pytest.approx(0.125)  # 1e12 FLOP/s of 2 x 4e12
     assert flops.mfu(1e6, None, 4.0) is None and flops.mfu(1e6, 1e6, None) is None
     assert flops.matmul_tflops(torch.device("cpu")) is None
