@@ -47,6 +47,17 @@ def test_batch_and_step_scopes_are_the_calls_own_term_without_the_steps_counts()
     assert batch.loss.item() == pytest.approx(_term_by_hand(routing.probs_NE, routing.expert_ids_NK).item(), rel=1e-6)
 
 
+def test_the_batch_terms_gradient_reaches_the_router_through_p_alone():
+    """f counts choices (no gradient); P is the mean of the softmax, through which the router learns."""
+    pool, x = _pool("batch"), torch.randn(40, D)
+    _, aux = pool(x)
+    routing = pool.router(x)
+    by_hand = _term_by_hand(routing.probs_NE, routing.expert_ids_NK)
+    (grad,), (want,) = (torch.autograd.grad(t, pool.router.weight) for t in (aux.loss, by_hand))
+    assert want.abs().max() > 0
+    torch.testing.assert_close(grad, want)
+
+
 def test_step_scope_takes_f_from_the_steps_counts_and_p_from_the_call():
     pool, x = _pool("step"), torch.randn(40, D)
     counts_E = torch.tensor([10.0, 0, 30, 5, 5, 30])

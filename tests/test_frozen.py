@@ -107,6 +107,16 @@ def test_a_frozen_stack_computes_what_a_trainable_stack_of_its_dequantized_weigh
     torch.testing.assert_close(frozen(x, y).logits, plain(x, y).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "loop"])
+def test_every_path_gives_the_loop_paths_outputs_and_adapter_gradients_with_lora(path):
+    """The adapters' scale (lora_alpha / lora_rank = 2 here) and products on each path's own code."""
+    (loss, grads), (want_loss, want) = step(frozen_model(path)), step(frozen_model("loop"))
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == want.keys() and any("lora_" in k for k in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_chosen_experts_are_dequantized_alone_with_their_adapters():
     experts = frozen_model().pools()[0].experts
     ids = torch.tensor([3, 1, 3])

@@ -62,11 +62,16 @@ def test_balance_term_uses_reduced_counts_when_a_reducer_is_set():
     assert aux_of(pool, x).item() < local.item()
 
 
-def test_z_loss_adds_mean_squared_logsumexp():
+def test_z_loss_adds_mean_squared_logsumexp_and_its_gradient_reaches_the_router():
     x = torch.randn(32, D)
     pool = sink_router_pool(balance_coef=0.0, z_loss_coef=1e-3)
     logits = x @ pool.router.weight.T
-    assert aux_of(pool, x).item() == pytest.approx(1e-3 * torch.logsumexp(logits, -1).square().mean().item(), rel=1e-5)
+    by_hand = 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    aux = aux_of(pool, x)
+    assert aux.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    (grad,), (want,) = (torch.autograd.grad(t, pool.router.weight) for t in (aux, by_hand))
+    assert want.abs().max() > 0
+    torch.testing.assert_close(grad, want)
 
 
 def test_aux_free_bias_step_lowers_the_sinks_selection():

@@ -91,6 +91,15 @@ def test_history_lines_carry_every_history_field(golden):
     assert records[1]["train_loss"] == pytest.approx(sum(golden.losses[3:]) / 3)
 
 
+def test_a_records_dropped_fraction_and_max_vio_are_the_means_of_its_rows(tmp_path):
+    done = run_tiny(tmp_path, None, "model.n_rows=2", "pool.capacity_factor=0.5", "train.steps=3")
+    (record,) = read_history(done.run_dir / "history.jsonl")
+    rows = record["sinks"]
+    assert len(rows) == 2 and all(row["dropped_fraction"] > 0 for row in rows)
+    assert record["dropped_fraction"] == pytest.approx(sum(row["dropped_fraction"] for row in rows) / 2)
+    assert record["max_vio"] == pytest.approx(sum(row["max_vio"] for row in rows) / 2)
+
+
 def test_each_steps_batch_is_made_once_while_the_step_before_runs_before_its_loss_is_read(tmp_path, monkeypatch):
     # The GPU would otherwise wait for the host to make a batch after each step (docs/benchmarks.md §10).
     events, make, read = [], trainer.batch_on, step_module.reduce_over_ranks
