@@ -84,7 +84,8 @@ def split_at_oov(text: str, vocab: Vocab) -> tuple[np.ndarray, list[tuple[int, i
 def score_positions(model, ids: np.ndarray, pieces: list[tuple[int, int]], context: int, stride: int,
                     batch_size: int, device: torch.device, desc: str = "") -> np.ndarray:
     """Nats of each character given the text before it within its piece: float64 [len(ids)],
-    NaN where a character is not scored. `model(x_BT).logits` is [B, T, V]."""
+    NaN where a character is not scored. `model(x_BT, dropless=True).logits` is [B, T, V]: dropless,
+    so that a score does not depend on --batch (a capacity would drop rows by what shares the call)."""
     by_length: dict[int, list[tuple[int, int]]] = {}
     for begin, end in pieces:
         for start, length, first in plan_windows(end - begin, context, stride):
@@ -98,7 +99,7 @@ def score_positions(model, ids: np.ndarray, pieces: list[tuple[int, int]], conte
             starts, firsts = map(np.array, zip(*windows[i:i + batch_size]))
             rows = torch.from_numpy(ids[starts[:, None] + np.arange(length + 1)]).to(device)  # [B, L+1]
             with devices.autocast(device):
-                logits = model(rows[:, :-1]).logits                                        # [B, L, V]
+                logits = model(rows[:, :-1], dropless=True).logits                         # [B, L, V]
             logp = torch.log_softmax(logits.float(), dim=-1)
             nll = -logp.gather(-1, rows[:, 1:, None]).squeeze(-1).double().cpu().numpy()   # [B, L]
             keep = offsets[None, :] >= firsts[:, None]

@@ -134,13 +134,15 @@ _METERED = [f.name for f in dataclasses.fields(Meter) if f.name != "routing"]  #
 def evaluate(model: CharLM, batches, device: torch.device, world_size: int, dtype: torch.dtype | None = None) -> float:
     """Mean held-out cross-entropy in nats over `batches` (all ranks'), computed in `dtype` (the run's
     train.precision; None: the device's); the aux loss is a training term, not part of it, and the
-    evaluation's routing counts nothing."""
+    evaluation's routing counts nothing. Dropless, as writing and tools/evaluate.py are: a capacity is
+    a training-throughput setting, and with it a character's loss would depend on the batch it shares."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     with devices.autocast(device, dtype):
         for x, y in batches:
-            total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).loss.double()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            total += model(x, y, dropless=True).loss.double()
     model.train(was_training)
     t = torch.stack([total, total.new_tensor(float(len(batches)))])
     summed, count = distributed.mean_over_ranks(t, world_size).tolist()

@@ -78,6 +78,28 @@ def test_nats_equal_a_brute_force_forward_per_position(trained, stride, batch):
             assert nats[p] == pytest.approx(expected, abs=1e-4), p
 
 
+def with_capacity(model, factor: float):
+    """The same model, its pools capped at `factor` x the fair share (a training-throughput setting)."""
+    import copy
+    import dataclasses
+    capped = copy.deepcopy(model)
+    for pool in capped.pools():
+        pool.cfg = dataclasses.replace(pool.cfg, capacity_factor=factor)
+    return capped
+
+
+def test_a_capacity_does_not_change_a_score_whatever_the_batch(trained):
+    """Scoring is dropless, as writing is: with the capacity applied, a window's characters would be
+    dropped or not by which windows share its call, so --batch would change the figures."""
+    model, vocab = trained
+    ids, pieces, _ = evaluate.split_at_oov(tiny_text()[:203], vocab)
+    want = evaluate.score_positions(model, ids, pieces, CONTEXT, 5, 64, CPU)
+    capped = with_capacity(model, 0.5)
+    assert capped.pools()[0].capacity(64) > 0
+    for batch in (1, 64):
+        np.testing.assert_array_equal(evaluate.score_positions(capped, ids, pieces, CONTEXT, 5, batch, CPU), want)
+
+
 def test_characters_outside_the_vocabulary_split_the_text_and_are_counted(trained):
     model, vocab = trained
     assert not {"é", "Q", "\t"} & set(vocab.chars)

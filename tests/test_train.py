@@ -147,6 +147,23 @@ def test_a_run_split_into_micro_batches_evaluates_the_same_held_out_sample(tmp_p
     assert split.heldout_loss == pytest.approx(whole.heldout_loss, rel=1e-5)
 
 
+def test_the_held_out_loss_is_dropless_so_the_split_of_its_batches_does_not_change_it():
+    """With a capacity, a held-out character's loss would depend on the micro-batch it shares: held
+    out at 2 x 2 and 4 x 1 would differ, and differ from what the model writes and scores (dropless)."""
+    from minagi.pool import PooledMLP
+    torch.manual_seed(0)
+    cfg = load_config(None, [*TINY, "pool.capacity_factor=0.5"])
+    model = CharLM(cfg.model, cfg.pool, 11, "grouped")
+    x, y = torch.randint(0, 11, (2, 4, 16)), torch.randint(0, 11, (2, 4, 16))
+    whole = trainer.evaluate(model, list(zip(x, y)), torch.device("cpu"), 1)
+    halves = trainer.evaluate(model, [(a, b) for xs, ys in zip(x, y) for a, b in zip(xs.chunk(2), ys.chunk(2))],
+                              torch.device("cpu"), 1)
+    assert isinstance(model.rows[0].mlp, PooledMLP) and model.rows[0].mlp.capacity(64) > 0
+    with torch.no_grad():
+        dropless = sum(model(a, b, dropless=True).loss.item() for a, b in zip(x, y)) / 2
+    assert whole == pytest.approx(halves, rel=1e-6) and whole == pytest.approx(dropless, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------ failures
 
 def test_interrupted_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path, data_path,
