@@ -100,6 +100,21 @@ def test_a_capacity_does_not_change_a_score_whatever_the_batch(trained):
         np.testing.assert_array_equal(evaluate.score_positions(capped, ids, pieces, CONTEXT, 5, batch, CPU), want)
 
 
+def test_a_files_figures_are_per_scored_character_and_the_overall_weighs_files_by_them():
+    """By hand: nats over the characters scored (not the text's length, which counts the unscored
+    first character and unknown ones), and the overall as all nats over all scored characters."""
+    short = evaluate.figures("a", "abcd", np.array([np.nan, 1.0, 2.0, 3.0]), {}, 1)
+    long_nats = np.full(101, 0.5)
+    long_nats[[0, 50, 51]] = np.nan  # the first character, an unknown one and the next piece's first
+    long = evaluate.figures("b", "x" * 101, long_nats, {"é": 1}, 2)
+    assert (short["scored"], short["nats_per_char"]) == (3, 2.0)
+    assert (long["scored"], long["nats_per_char"], long["oov"]) == (98, 0.5, 1)
+    total = evaluate.overall([short, long])
+    assert total["scored"] == 101 and total["nats_sum"] == pytest.approx(6 + 49)
+    assert total["nats_per_char"] == pytest.approx(55 / 101)  # not (2.0 + 0.5) / 2
+    assert total["bits_per_char"] == pytest.approx(55 / 101 / math.log(2))
+
+
 def test_characters_outside_the_vocabulary_split_the_text_and_are_counted(trained):
     model, vocab = trained
     assert not {"é", "Q", "\t"} & set(vocab.chars)

@@ -282,6 +282,10 @@ def test_a_blocksize_experts_cannot_fill_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match=r"--set experts.blocksize: experts.blocksize = 4096 is impossible: an "
                                           r"expert's 32 x 32 weights must fill whole NF4 blocks"):
         load_config(None, ["model.d_model=32", "pool.d_expert=32", "experts.frozen=true", "experts.blocksize=4096"])
+    # 32 x 48 = 1,536 weights hold 3 blocks of 512 but not whole pairs of them: the stack's own rule
+    # (frozen.py), which the config must say first, as a config error and not a ValueError at build.
+    with pytest.raises(ConfigError, match=r"experts.blocksize = 512 is impossible: .*\(a multiple of 2 x blocksize = 1024\)"):
+        load_config(None, ["model.d_model=32", "pool.d_expert=48", "experts.frozen=true", "experts.blocksize=512"])
 
 
 # ------------------------------------------------------------------------------ the pin's rules

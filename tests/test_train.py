@@ -132,6 +132,15 @@ def test_lr_warms_up_linearly_then_follows_cosine_to_its_floor():
     assert lr_factor(-1, total=10, warmup=2, min_ratio=0.1) == 0.0
 
 
+def test_a_run_extended_within_its_warmup_follows_the_longer_run_and_after_it_bends():
+    from minagi.schedule import Schedule
+    plain = Schedule(total=6, warmup=2, min_ratio=0.1)
+    for done in (0, 1, 2):  # the cosine not begun (step 2's factor is still the peak): no bend
+        assert [plain.extended(done, 10)(s) for s in range(12)] == [lr_factor(s, 10, 2, 0.1) for s in range(12)], done
+    bent = plain.extended(3, 10)  # from the factor step 3 was trained at, down to the floor at 10
+    assert bent(2) == lr_factor(2, 6, 2, 0.1) and bent(3) < 1.0 and bent(10) == pytest.approx(0.1)
+
+
 def test_a_run_without_warmup_trains(tmp_path, data_path):
     # What `--set train.steps=2` once made of a profile's warmup (a tenth of the steps: 0, now at least 1);
     # it once divided by zero at the start of the run. train.warmup_steps = 0 of one's own is allowed.
