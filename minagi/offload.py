@@ -212,23 +212,26 @@ class OffloadStager:
         if self.prefetch:
             ahead = row + 1 if phase in (None, "forward") else row - 1  # replay and backward run in reverse
             if 0 <= ahead < len(self.rows):
-                self._stage(ahead)
+                self._stage(ahead, keep=slot)
         return self.slots[slot][index]
 
-    def _stage(self, row: int) -> int:
-        """The slot holding `row`, its copy issued if it was not there (evicting the other row)."""
+    def _stage(self, row: int, keep: int | None = None) -> int:
+        """The slot holding `row`, its copy issued if it was not there (evicting another row, never the
+        one in slot `keep`: the row the caller is about to read)."""
         if row in self.slot_row:
             return self.slot_row.index(row)
         empty = [s for s, r in enumerate(self.slot_row) if r is None]
-        slot = empty[0] if empty else self._victim(row)
+        slot = empty[0] if empty else self._victim(row, keep)
         self.copies.released(slot)
         self.copies.copy(slot, row, lambda: self._fill(row, slot))
         self.slot_row[slot] = row
         return slot
 
-    def _victim(self, row: int) -> int:
-        """Evict the slot whose row is farther from `row` (the one the run has left behind)."""
-        return max(range(self.n_slots), key=lambda s: abs(self.slot_row[s] - row))
+    def _victim(self, row: int, keep: int | None) -> int:
+        """Evict the slot whose row is farther from `row` (the one the run has left behind), not `keep`.
+        (With rows 3 and 2 staged, a fetch of row 0 takes row 3's slot, and its prefetch of row 1 is as
+        far from rows 0 and 2: without `keep` the tie evicted row 0 before it was read.)"""
+        return max((s for s in range(self.n_slots) if s != keep), key=lambda s: abs(self.slot_row[s] - row))
 
     def _fill(self, row: int, slot: int) -> None:
         for stack, target in zip(self.rows[row], self.slots[slot]):

@@ -307,3 +307,22 @@ def test_an_atomic_write_leaves_the_permissions_a_plain_open_gives(tmp_path):
         os.close(fd)
     atomic.atomic_write(tmp_path / "model.safetensors", private)
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
+def test_a_payload_without_a_schedule_goes_on_with_its_configs():
+    """Format 1 saved no schedule: the run trained with its config's warmup and floor, so it goes on with them."""
+    from minagi.schedule import Schedule
+    payload = {**_payload(), "format_version": 1}
+    payload["config"] = {**payload["config"], "train": {**payload["config"]["train"], "steps": 300,
+                                                         "warmup_steps": 20, "min_lr_ratio": 0.1}}
+    old = checkpoint.Checkpoint.from_payload(payload, "old.pt")
+    assert old.schedule == Schedule(total=300, warmup=20, min_ratio=0.1)
+
+
+@pytest.mark.parametrize("key", ["optimizer", "scheduler", "rng", "step", "run_name", "meter"])
+def test_a_checkpoint_without_one_of_the_training_keys_is_refused_for_a_resume_naming_it(key):
+    full = {**_payload(), "format_version": 1, "meter": checkpoint.Meter().to_dict()}  # _payload's config: format 1
+    checkpoint.Checkpoint.from_payload(full, "last.pt").check_trains()
+    without = checkpoint.Checkpoint.from_payload({k: v for k, v in full.items() if k != key}, "last.pt")
+    with pytest.raises(CheckpointError, match=rf"^last\.pt: not a training checkpoint \(no {key}\)"):
+        without.check_trains()

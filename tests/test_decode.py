@@ -187,6 +187,17 @@ def test_each_stream_equals_writing_it_alone_with_seed_plus_its_index(sync_every
     assert streams[0] != streams[3]  # the same prompt, another seed
 
 
+@pytest.mark.parametrize("sync_every", [1, 5])
+def test_writing_past_several_noise_tables_keeps_every_character_and_each_ones_noise(sync_every, monkeypatch):
+    """A noise table holds C steps (at least 16): a stream longer than one table must draw each new
+    table from its own position (not from 0 again) and read back the rows the last table left unread."""
+    monkeypatch.setattr(decode, "_NOISE_ELEMENTS", 1)  # C = 16: 45 characters cross two tables
+    model = make_model("dense")
+    assert Decoder(model, [0], CONTEXT, temperature=1.0).chunk == 16
+    (text,) = fast(model, ["the "], 45, sync_every=sync_every)
+    assert text == reference(model, "the ", 45)
+
+
 def test_a_prefill_runs_each_length_once_and_a_slide_its_streams_last_characters_with_no_read_back(monkeypatch):
     model = make_model("grouped")
     fed = []

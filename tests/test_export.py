@@ -111,3 +111,37 @@ def _has_safetensors() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _by_hand(folder, ids: dict, format_version: int = export.FORMAT_VERSION):
+    """An export folder written without a run: a config, `ids` as vocab.json, one tensor as the model."""
+    st = pytest.importorskip("safetensors.torch")
+    from minagi.config import config_to_dict, load_config
+    folder.mkdir()
+    meta = {"format": export.FORMAT, "format_version": format_version, "config": config_to_dict(load_config(None))}
+    (folder / "config.json").write_text(json.dumps(meta))
+    (folder / "vocab.json").write_text(json.dumps(ids))
+    st.save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_vocab_json_is_read_by_id_whatever_the_order_of_its_keys(tmp_path):
+    assert export.read_export(_by_hand(tmp_path / "out", {"c": 2, "a": 0, "b": 1})).vocab.chars == "abc"
+
+
+@pytest.mark.parametrize("ids,why", [({"a": 0, "b": 2}, "ids are not 0..V-1"), ({"a": 1, "b": 0}, r"sorted .*'ba'"),
+                                     ({"a": 1, "b": 2}, "ids are not 0..V-1")])
+def test_a_vocab_json_whose_ids_are_not_the_sorted_characters_0_to_v_1_is_refused_naming_the_export(tmp_path, ids, why):
+    """Ids with a gap, or out of the characters' order, would give the model's rows to the wrong characters."""
+    folder = _by_hand(tmp_path / "out", ids)
+    with pytest.raises(CheckpointError, match=why) as err:
+        export.read_export(folder)
+    assert str(err.value).startswith(f"{folder}: not a usable export (") and "\n" not in str(err.value)
+
+
+def test_an_export_of_a_newer_format_version_is_refused_naming_it(tmp_path):
+    folder = _by_hand(tmp_path / "out", {"a": 0, "b": 1}, export.FORMAT_VERSION + 1)
+    with pytest.raises(CheckpointError, match=f"export format_version {export.FORMAT_VERSION + 1} is newer") as err:
+        export.read_export(folder)
+    assert str(err.value).startswith(f"{folder}: ")
+    assert export.read_export(_by_hand(tmp_path / "now", {"a": 0, "b": 1})).vocab.chars == "ab"

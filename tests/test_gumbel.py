@@ -52,6 +52,16 @@ def test_noise_is_a_pure_function_of_the_seed_and_the_character_index():
     assert abs(flat.mean().item() - 0.5772) < 0.1 and abs(flat.std().item() - math.pi / math.sqrt(6)) < 0.1
 
 
+def test_noise_reads_all_64_bits_of_a_streams_key_and_of_the_character_index():
+    """Two seeds whose keys share one 32-bit half, or two indices 2^32 apart, name different noise:
+    the hash takes both halves of each."""
+    keys_B2 = torch.tensor([[12345, 678], [12345, 679], [12346, 678]])  # [B, 2] (low, high): 1 differs high, 2 low
+    noise_CBV = gumbel_noise(keys_B2, torch.arange(4), 16)
+    assert not noise_CBV[:, 0].equal(noise_CBV[:, 1]) and not noise_CBV[:, 0].equal(noise_CBV[:, 2])
+    far_CBV = gumbel_noise(keys_B2, torch.tensor([5, 5 + 2**32]), 16)
+    assert not far_CBV[0].equal(far_CBV[1])
+
+
 def test_greedy_is_argmax_taking_the_first_of_equal_maxima_and_needs_no_noise():
     logits_BV = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 0.0]])
     assert pick(logits_BV, 0.0, 0).tolist() == [1, 0]

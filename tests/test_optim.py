@@ -76,6 +76,28 @@ def test_a_decaying_second_moment_does_not_stall_in_bf16():
     assert got.mean().item() == pytest.approx(want.mean().item(), rel=0.01)  # 0.999^399 of the first step's
 
 
+def test_each_group_and_chunk_draws_its_own_rounding_bits_and_a_step_redraws_the_same(monkeypatch):
+    """Shared rounding bits would round the same error into every group and chunk at once (a bias
+    that does not average out); seeded by (seed, step, group, chunk), a step is still reproducible."""
+    from minagi import optim
+    monkeypatch.setattr(optim, "CHUNK", 1000)  # the first group's two tensors: two chunks
+
+    def stepped():
+        torch.manual_seed(0)
+        w, g = torch.randn(1000), torch.randn(1000)
+        params = [torch.nn.Parameter(w.clone()) for _ in range(3)]
+        for p in params:
+            p.grad = g.clone()
+        opt = AdamWBF16([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, seed=3)
+        opt.step()
+        return [opt.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+
+    first = stepped()  # exp_avg and exp_avg_sq of: group 0 chunk 0, group 0 chunk 1, group 1 chunk 0
+    for a, b in [(0, 2), (0, 4), (2, 4), (1, 3), (1, 5), (3, 5)]:
+        assert not torch.equal(first[a], first[b]), (a, b)
+    assert all(torch.equal(a, b) for a, b in zip(first, stepped()))
+
+
 def test_bf16_states_round_trip_a_checkpoint_and_go_on_exactly():
     a, b, _, lean = _pair()
     grads = [torch.randn_like(b) for _ in range(6)]

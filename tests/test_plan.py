@@ -181,3 +181,88 @@ def test_the_swiglu_kernels_setting_decides_whether_the_plan_counts_the_eager_op
     rocm = plan_memory(load_config("strix_large"), target=TARGETS["rocm"])
     fused = plan_memory(load_config("strix_large", ["pool.swiglu=jiterator"]), target=TARGETS["rocm"])
     assert fused.peak_allocated < rocm.peak_allocated
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_heads_saved_tensors_are_what_autograd_saves_for_the_head_alone(precision):
+    """The rows' test takes two rows less one: the head cancels out there, so its terms are checked here."""
+    import torch.nn.functional as F
+
+    from minagi import rowmath
+    from minagi.plan import head_saved
+    sets = ["model.d_model=64", "model.n_heads=4", "model.context=40", "train.batch_size=2",
+            f"train.precision={precision}"]  # N = 80 characters: no saved tensor shaped as the head's weight
+    s = _resolve(load_config(None, sets), TARGETS["cpu"], 1, 96)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 64, requires_grad=True)  # the last row's output: counted as the row's, not here
+    norm_w, head_w = torch.ones(64, requires_grad=True), torch.randn(96, 64, requires_grad=True)
+    y = torch.randint(0, 96, (2, 40))
+    skip = {t.untyped_storage().data_ptr() for t in (x, norm_w, head_w)}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and t.shape not in (head_w.shape, head_w.t().shape):  # its cast: not N's
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:  # as CharLM.forward's head
+        logits = rowmath.head(x, norm_w, 1e-5, head_w)
+        F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+    seen[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()  # returned: alive too
+    assert head_saved(s) == pytest.approx(sum(seen.values()), abs=16 * s.N)  # within 16 bytes a character
+
+
+def test_offloads_prefetch_holds_a_second_rows_stacks():
+    """The stager's slots: one row's stored stacks, and the next row's beside them while it prefetches."""
+    parts = lambda plan: {p.name: p.bytes for p in plan.parts}  # noqa: E731
+    cfg = load_config("h200_offload")
+    one_row = weight_counts(cfg, 256)["stored"] // cfg.model.n_rows
+    assert cfg.experts.prefetch and one_row > 0
+    assert parts(plan_memory(cfg))["NF4 stacks"] == 2 * one_row
+    assert parts(plan_memory(load_config("h200_offload", ["experts.prefetch=false"])))["NF4 stacks"] == one_row
+
+
+@pytest.mark.parametrize("dispatch", ["native", "grouped"])
+def test_the_replay_pin_keeps_a_stack_from_its_floor_up(dispatch):
+    """experts.pin_floor_mib: a stack of exactly the floor is pinned, one a byte smaller is not; a bucketed
+    path's two stacks follow gate_up's decision, a packed path decides each (down is half gate_up)."""
+    from minagi.plan import _pins
+    sets = ["model.d_model=1024", "model.n_heads=8", "pool.n_experts=8", "pool.d_expert=1024", "experts.frozen=true",
+            "train.checkpoint_rows=true", "train.precision=bf16", f"pool.dispatch={dispatch}"]
+
+    def pins(floor_mib: float) -> tuple[bool, bool]:
+        cfg = load_config(None, [*sets, f"experts.pin_floor_mib={floor_mib!r}"])
+        return _pins(cfg, _resolve(cfg, TARGETS["sm90"], 1, 256))
+    gate_up, down, byte = 32, 16, 1 / 2 ** 20  # MiB of each bf16 stack: 8 x 1024 x 2048 x 2, 8 x 1024 x 1024 x 2
+    assert pins(gate_up) == (True, dispatch == "grouped")
+    assert pins(gate_up + byte) == (False, False)
+    if dispatch == "native":
+        assert pins(down) == (True, True) and pins(down + byte) == (True, False)
+    assert pins(0) == (True, True)
+
+
+def test_a_compiled_row_saves_less_than_an_eager_one():
+    """Inductor recomputes casts and norm outputs: a compiled plan's rows keep ~3.2 D bytes a character less."""
+    eager, compiled = (load_config("h200", [f"train.compile={c}"]) for c in ("false", "true"))
+    assert plan_memory(compiled).peak_allocated < plan_memory(eager).peak_allocated
+    rows = [row_saved(_resolve(cfg, TARGETS["sm90"], 1, 256))["attention"] for cfg in (eager, compiled)]
+    s = _resolve(eager, TARGETS["sm90"], 1, 256)
+    assert rows[0] - rows[1] == pytest.approx(3.2 * s.D * s.N, abs=1)
+    assert plan_memory(compiled, "cpu").peak_allocated == plan_memory(eager, "cpu").peak_allocated  # not on the CPU
+
+
+def test_the_allocator_slack_is_2_percent_with_expandable_segments_and_15_without():
+    for alloc_conf, share in (("expandable_segments:True", 0.02), ("", 0.15)):
+        plan = plan_memory(load_config("h200", [f"memory.alloc_conf={alloc_conf}"]))
+        assert plan.slack.bytes == int(plan.peak_allocated * share), alloc_conf
+        assert plan_memory(load_config("h200", [f"memory.alloc_conf={alloc_conf}"]), "cpu").slack.bytes == 0
+
+
+def test_under_expert_parallelism_a_rank_casts_its_slice_of_the_stacks():
+    """model_bytes_per_rank's casts: each rank multiplies its own experts only, 1/N of the card's."""
+    from minagi.parallel import model_bytes_per_rank
+    casts = {ep: model_bytes_per_rank(load_config("h200x8_fsdp", ["train.parallel=ddp", f"train.expert_parallel={ep}"]),
+                                      8, vocab=256)["casts"] for ep in (1, 8)}
+    assert casts[1] > 0 and casts[8] * 8 == casts[1]

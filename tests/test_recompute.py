@@ -107,6 +107,19 @@ def test_evaluation_and_writing_change_no_state_and_count_nothing():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+# ---------------------------------------------------------------------------- the replay pin
+
+def test_the_replay_pin_takes_a_stack_of_exactly_the_floor_and_exactly_half_the_headroom():
+    """Both bounds are inclusive: auto pins a stack at least `floor_bytes`, and a stack fits when the
+    headroom is at least twice its bytes."""
+    from minagi.recompute import PinPolicy
+    cpu, mib = torch.device("cpu"), 2**20
+    assert PinPolicy("auto", floor_bytes=mib, headroom=lambda d: 2**40).decide("s", mib, cpu)
+    assert not PinPolicy("auto", floor_bytes=mib, headroom=lambda d: 2**40).decide("s", mib - 1, cpu)
+    assert PinPolicy("on", headroom=lambda d: 2 * mib).decide("s", mib, cpu)
+    assert not PinPolicy("on", headroom=lambda d: 2 * mib - 1).decide("s", mib, cpu)
+
+
 # ---------------------------------------------------------------------------- two gloo ranks
 
 def _rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
