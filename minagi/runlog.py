@@ -170,7 +170,8 @@ class History:
 def read_history(path: Path) -> list[dict]:
     """All records of a history.jsonl. A line torn by a crash (no newline after it, or followed by
     the newline that runs before the torn line was cut off added) is skipped; any other bad line is
-    an error naming it."""
+    an error naming it. Torn: a record's beginning whose JSON ends too soon, wherever the cut fell (a
+    record cut just after a nested object's closing brace ends in "}" too)."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []
@@ -180,7 +181,8 @@ def read_history(path: Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if not line.startswith("{") or line.endswith("}"):
+            ends_too_soon = e.pos >= len(line.rstrip()) or e.msg.startswith("Unterminated string")  # cut in a string
+            if not (line.startswith("{") and ends_too_soon):
                 raise ValueError(f"{path}:{i}: not a history record ({e.msg})") from None
     return records
 
