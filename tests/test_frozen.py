@@ -175,6 +175,33 @@ def test_a_slot_no_backward_took_is_cleared_at_the_next_step():
     assert clear_stale_slots() > 0 and clear_stale_slots() == 0
 
 
+def test_the_lora_scale_is_alpha_over_rank():
+    for alpha, rank in ((16.0, 8), (8.0, 16)):
+        experts = ExpertsConfig(frozen=True, lora_rank=rank, lora_alpha=alpha, blocksize=32)
+        assert frozen_model(experts=experts).pools()[0].experts.scale == alpha / rank  # 2.0, then 0.5
+
+
+def test_fresh_adapters_leave_the_frozen_models_logits_exactly_as_without_lora():
+    """B starts at zero (A does not): a new adapter changes nothing until it trains."""
+    torch.manual_seed(0)
+    lora = build_model(CFG, POOL, 11, "cpu", experts=FROZEN)  # the adapters as initialised
+    plain = build_model(CFG, POOL, 11, "cpu", experts=ExpertsConfig(frozen=True, blocksize=32))
+    plain.load_state_dict({k: v for k, v in lora.state_dict().items() if "lora_" not in k})
+    adapters = {n: p for n, p in lora.named_parameters() if "lora_" in n}
+    assert adapters and all(p.abs().sum() > 0 for n, p in adapters.items() if n.endswith("_a"))
+    x, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(lora(x).logits, plain(x).logits)
+
+
+def test_a_frozen_models_param_groups_have_no_empty_expert_group():
+    """Nothing of frozen experts decays (stacks are buffers, adapters never decay): no group of them,
+    which an optimizer would keep as an empty group, so the two groups of older checkpoints' states."""
+    groups = frozen_model().param_groups(0.1, 0.5)
+    assert len(groups) == 2 and all(g["params"] for g in groups)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+
+
 # ------------------------------------------------------------------------------ runs
 
 FROZEN_SETTINGS = ["experts.frozen=true", "experts.blocksize=32", "experts.lora_rank=8", "train.lr=1e-2"]
@@ -193,6 +220,16 @@ def trained(tmp_path_factory):
 def _frozen_cfg(tmp, name, *extra):
     from tiny import tiny_cfg
     return tiny_cfg(tmp, None, *FROZEN_SETTINGS, "train.steps=12", "train.eval_every=6", *extra, run_name=name)
+
+
+def test_init_into_a_frozen_model_never_draws_random_stacks_it_then_overwrites(tmp_path, monkeypatch):
+    """--init loads every stack: drawing them first would waste the time and shift the random stream."""
+    base = run_tiny(tmp_path, None, "train.steps=2", "train.eval_every=2", run_name="base")
+    drawn = []
+    monkeypatch.setattr(FrozenStack, "init_random", lambda self, std, generator: drawn.append(self.name))
+    result = train(_frozen_cfg(tmp_path, "lora", "train.steps=2", "train.eval_every=2"), "tiny", progress=False,
+                   log=lambda m: None, argv=["test"], init=base.run_dir)
+    assert result.step == 2 and drawn == []
 
 
 def test_init_quantizes_a_trained_runs_stacks_and_lora_lowers_the_held_out_loss(trained):

@@ -129,3 +129,58 @@ def test_a_model_to_be_loaded_is_initialised_on_its_device_not_on_the_cpu(monkey
         seen.clear()
         model = build_model(CFG, POOL, vocab_size=11, device="meta", weights_loaded=loaded)
         assert set(seen) == where and model.embed.weight.is_meta
+
+
+def test_sequence_balance_scope_gives_the_mean_of_each_sequences_aux_loss_run_alone():
+    """The model tells each pool how many sequences its characters are (B, not T): with
+    pool.balance_scope = "sequence" a batch's aux loss is the mean of its sequences' own."""
+    from dataclasses import replace
+    torch.manual_seed(0)
+    pool = replace(POOL, balance_scope="sequence", balance_coef=1.0, z_loss_coef=0.0)
+    model = build_model(CFG, pool, vocab_size=9, device="cpu").eval()
+    idx = torch.randint(0, 9, (3, 8))  # B = 3 sequences of T = 8: the characters split either way
+    with torch.no_grad():
+        whole = model(idx).aux_loss
+        alone = torch.stack([model(idx[b:b + 1]).aux_loss for b in range(3)])
+    assert whole > 0
+    torch.testing.assert_close(whole, alone.mean())
+
+
+def test_dropout_falls_on_the_embedding_each_residual_branch_and_the_attention_in_training_only(monkeypatch):
+    """model.dropout reaches every site: the embedding once, each row's two residual branches and its
+    attention probabilities (SDPA's dropout_p); in eval mode none of them drops."""
+    from dataclasses import replace
+    import torch.nn.functional as F
+    p, drops, attention = 0.25, [], []
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def spy_dropout(x, prob=0.5, training=True, inplace=False):
+        drops.append((prob, training))
+        return dropout(x, prob, training, inplace)
+
+    def spy_sdpa(*args, dropout_p=0.0, **kwargs):
+        attention.append(dropout_p)
+        return sdpa(*args, dropout_p=dropout_p, **kwargs)
+    monkeypatch.setattr(F, "dropout", spy_dropout)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
+    torch.manual_seed(0)
+    model = build_model(replace(CFG, dropout=p), POOL, vocab_size=9, device="cpu")
+    idx = torch.randint(0, 9, (2, 8))
+    model.train()(idx)
+    assert drops == [(p, True)] * (1 + 2 * CFG.n_rows) and attention == [p] * CFG.n_rows
+    drops.clear(), attention.clear()
+    with torch.no_grad():
+        model.eval()(idx)
+    assert all(not training for _, training in drops) and attention == [0.0] * CFG.n_rows
+
+
+def test_rope_base_sets_the_rope_tables_within_the_context_and_past_it():
+    from dataclasses import replace
+    from minagi.rowmath import rope_tables
+    cfg = replace(CFG, rope_base=500.0)
+    attn = CharLM(cfg, POOL, vocab_size=5).rows[0].attn
+    for T, (cos_Td, sin_Td) in ((cfg.context, (attn.rope_cos, attn.rope_sin)),
+                                (cfg.context + 8, attn.rope(cfg.context + 8, torch.device("cpu")))):  # computed
+        want_cos, want_sin = rope_tables(torch.arange(T), cfg.head_dim, 500.0)
+        assert torch.equal(cos_Td, want_cos) and torch.equal(sin_Td, want_sin)
+        assert not torch.allclose(cos_Td, rope_tables(torch.arange(T), cfg.head_dim, 10000.0)[0])

@@ -147,6 +147,16 @@ def test_init_says_when_the_same_weights_would_compute_another_attention(dense_r
     assert "model.n_heads = 4 here, 2 in the run it comes from" in warnings[0]
 
 
+def test_init_into_another_rope_base_says_so_naming_model_rope_base(dense_run, tmp_path):
+    """rope_base keeps every shape as n_heads does: the same weights rotated otherwise, said."""
+    from minagi.trainer import train
+    text, said = dense_run.run_dir.parent.parent / "text.txt", []
+    cfg = tiny_cfg(tmp_path, text, "train.steps=2", "train.warmup_steps=1", "model.rope_base=500", run_name="rope")
+    train(cfg, "tiny", progress=False, log=said.append, argv=["test"], init=dense_run.run_dir / "best.pt")
+    warnings = [m for m in said if m.startswith("warning: --init")]
+    assert len(warnings) == 1 and "model.rope_base = 500 here, 10000 in the run it comes from" in warnings[0]
+
+
 def test_init_from_an_exported_folder_says_to_start_from_the_run_instead(dense_run, tmp_path):
     exported = tmp_path / "out"
     exported.mkdir()
