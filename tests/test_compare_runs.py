@@ -65,6 +65,14 @@ def test_a_step_logged_twice_counts_once_with_its_latest_record(tmp_path):
     assert compare_runs.summarize("r", records)["best_nats"] == 1.9
 
 
+def test_with_equal_heldout_losses_the_best_is_the_earliest_step():
+    """best.pt keeps the first minimum (the trainer saves only on a strictly lower loss): the table names
+    the step whose checkpoint best.pt holds, not a later tie."""
+    run = [_record(10, 3.0, 5.0), _record(20, 2.0, 10.0), _record(30, 2.0, 15.0), _record(40, 2.5, 20.0)]
+    best = compare_runs.summarize("tie", run)
+    assert (best["best_nats"], best["best_step"], best["best_chars"], best["best_wall_s"]) == (2.0, 20, 20_000, 10.0)
+
+
 def test_missing_figures_are_dashes_not_zeros(tmp_path):
     run = _run(tmp_path, "odd", [_record(0, None, 0.0)])
     row = compare_runs.summarize("odd", compare_runs.load_run(run))

@@ -57,6 +57,17 @@ def test_vocab_dtype_widens_past_256_characters():
     assert ids.dtype == np.uint16 and wide.decode(ids) == text
 
 
+def test_vocab_of_256_characters_is_uint8_and_257_is_uint16_without_wrapping():
+    """uint8 holds ids 0..255: 256 characters fit, a 257th character's id 256 would wrap to 0."""
+    chars = "".join(chr(0x100 + i) for i in range(257))
+    full = Vocab(chars[:256])
+    ids = full.encode(full.chars)
+    assert ids.dtype == np.uint8 and ids.tolist() == list(range(256)) and full.decode(ids) == full.chars
+    over = Vocab(chars)
+    ids = over.encode(chars[-1] + chars[0])
+    assert ids.dtype == np.uint16 and ids.tolist() == [256, 0] and over.decode(ids) == chars[-1] + chars[0]
+
+
 def test_vocab_encode_error_names_unknown_characters_with_counts():
     vocab = Vocab.from_text("abc ")
     with pytest.raises(VocabError) as info:
@@ -208,6 +219,23 @@ def test_second_load_is_a_cache_hit_without_reencoding(tmp_path, cache, monkeypa
     assert not load_corpus(str(root), 0.3, cache_dir=cache).cache_hit
     _write(root / "sub0" / "f00.txt", "changed")
     assert not load_corpus(str(root), 0.2, cache_dir=cache).cache_hit
+
+
+def test_derived_and_given_vocabularies_of_one_text_each_get_their_own_cache_entry(tmp_path, cache):
+    """--init or a resume passes a wider vocabulary than the text's own: its load must not reuse the
+    derived entry's ids, nor may its entry take the derived one's place for the next plain load."""
+    text = "hello world\n" * 20
+    path = _write(tmp_path / "t.txt", text)
+    derived = load_corpus(str(path), 0.1, cache_dir=cache)
+    wider = Vocab("".join(sorted(derived.vocab.chars + "A")))  # 'A' sorts before the letters: their ids shift
+    given = load_corpus(str(path), 0.1, cache_dir=cache, vocab=wider)
+    again = load_corpus(str(path), 0.1, cache_dir=cache)
+    assert given.vocab == wider and derived.vocab == again.vocab == Vocab.from_text(text)
+    for corpus in (derived, given, again):
+        assert corpus.vocab.decode(np.concatenate([corpus.train_ids, corpus.heldout_ids])) == text
+    assert not np.array_equal(given.train_ids, derived.train_ids)
+    assert np.array_equal(again.train_ids, derived.train_ids) and again.cache_hit
+    assert given.cache_path != derived.cache_path == again.cache_path
 
 
 def test_cache_leaves_no_temp_files_and_uses_uint8_for_small_vocab(tmp_path, cache):
@@ -391,6 +419,17 @@ def test_strip_gutenberg_drops_paragraphs_naming_project_gutenberg_and_keeps_bla
             " the project; Gutenberg's press.\n\n\nEnd of Project Gutenberg's Title, by A\n\n")
     text = f"head\n*** START OF THE PROJECT GUTENBERG EBOOK T ***{body}*** END OF THE PROJECT GUTENBERG EBOOK T ***\n"
     assert strip_gutenberg(text) == "TITLE\n\n\n\nOne.\n  \nTwo, the project; Gutenberg's press.\n"
+
+
+def test_strip_gutenberg_finds_lower_case_markers_and_notes_naming_it_in_any_case_or_spacing():
+    """Real books write the markers and their notes as they please: in lower case, and with the name split
+    by two spaces or wrapped onto the next line; each such note is still PG's own and dropped."""
+    from minagi.gutenberg import strip_gutenberg
+    body = ("\n\nOne.\n\nproduced by the project gutenberg online team\n\nTwo.\n\n"
+            "Transcribed for Project  Gutenberg by a volunteer\n\nThree.\n\n"
+            "[Transcriber's note: this Project\nGutenberg edition keeps the spelling]\n\nFour.\n\n")
+    text = f"head\n*** start of the project gutenberg ebook t ***{body}*** end of the project gutenberg ebook t ***\n"
+    assert strip_gutenberg(text) == "One.\n\nTwo.\n\nThree.\n\nFour.\n"
 
 
 @pytest.mark.parametrize("case", ["no start", "no end"])

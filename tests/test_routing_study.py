@@ -117,3 +117,51 @@ def test_the_report_gives_means_spreads_differences_and_maxvio_from_known_runs(t
     assert by["shared"]["delta"] == pytest.approx(1.605 - 1.71) and by["shared"]["beyond"] is True
     table = (tmp_path / "tables.md").read_text()
     assert "| shared (`shared`) | 2 | 128 | 1.6050 | 0.0100 | -0.1050 | yes | 0.250 | 0.0 | - | - |" in table
+
+
+def recipe_row(recipe: str, full_bits: float | None, chars: int = 128) -> dict:
+    """A run_row as the report's per-recipe arithmetic reads it."""
+    return {"recipe": recipe, "full_bits": full_bits, "chars": chars, "max_vio": None, "dead": None}
+
+
+def test_a_difference_inside_the_larger_of_the_two_seed_spreads_is_not_beyond_them():
+    """The difference must exceed both recipes' spreads: 0.06 is past today's 0.02 but inside the recipe's 0.10."""
+    rows = [recipe_row("moe", 1.70), recipe_row("moe", 1.72), recipe_row("shared", 1.60), recipe_row("shared", 1.70)]
+    by = routing_report.recipe_rows(rows, {}, {})
+    assert by["shared"]["delta"] == pytest.approx(-0.06) and by["shared"]["spread"] == pytest.approx(0.10)
+    assert by["shared"]["beyond"] is False
+
+
+def test_the_baseline_row_compares_nothing_and_says_so_with_a_dash():
+    """Today's recipe against itself is no finding: "-", neither yes nor no."""
+    rows = [recipe_row("moe", 1.70), recipe_row("moe", 1.72), recipe_row("shared", 1.50), recipe_row("shared", 1.51)]
+    by = routing_report.recipe_rows(rows, {}, {})
+    assert by["moe"]["beyond"] is None and by["shared"]["beyond"] is True
+    moe = routing_report.recipes_table(by, ["moe"], None)[2]
+    assert moe == "| moe (`moe`) | 2 | 128 | 1.7100 | 0.0200 | +0.0000 | - | - | - | - | - |"
+
+
+def test_a_recipe_with_one_seed_has_no_spread_rather_than_a_spread_of_zero():
+    """One seed says nothing of the seed noise: the spread is "-", and with no spread on either side no
+    difference can be called beyond it (a spread of 0.0 would make every difference "yes")."""
+    rows = [recipe_row("moe", 1.70), recipe_row("shared", 1.60)]
+    by = routing_report.recipe_rows(rows, {}, {})
+    assert by["moe"]["spread"] is None and by["shared"]["spread"] is None and by["shared"]["beyond"] is None
+    shared = routing_report.recipes_table(by, ["shared"], None)[2]
+    assert shared == "| shared (`shared`) | 1 | 128 | 1.6000 | - | -0.1000 | - | - | - | - | - |"
+
+
+def test_a_recipe_counts_the_characters_of_its_longest_seed():
+    """A seed cut short does not shrink the recipe's characters (the column is the recipe's budget)."""
+    rows = [recipe_row("moe", 1.70, chars=256), recipe_row("moe", 1.72, chars=128)]
+    assert routing_report.recipe_rows(rows, {}, {})["moe"]["chars"] == 256
+
+
+def test_the_upcycled_recipe_is_timed_at_todays_moe_rate_and_the_dense_ones_at_the_twins():
+    """The speed stage times only full-length recipes: the upcycled MoE is today's MoE, so its char/s (and
+    its ratio to the twin's) is moe's; dense_half and dense_wallclock are the twin."""
+    rows = [recipe_row(r, 1.7) for r in ("moe", "upcycled", "dense_half", "dense_wallclock")]
+    by = routing_report.recipe_rows(rows, {}, {"moe": 1000.0, "dense": 1500.0})
+    assert [by[r]["chars_per_s"] for r in by] == [1000.0, 1000.0, 1500.0, 1500.0]
+    upcycled = routing_report.recipes_table(by, ["upcycled"], 1500.0)[2]
+    assert upcycled.endswith("| 1,000 | 0.67 |")

@@ -118,6 +118,22 @@ def test_table_arithmetic_on_known_loads():
     assert sink_report.entropy_bits([0, 0]) == 0.0
 
 
+def test_one_expert_has_an_entropy_fraction_of_one_not_a_division_by_log2_1():
+    """With E = 1 every routed row goes to the one expert: as even as E = 1 allows, so the fraction is 1.0
+    (log2 1 = 0 would divide by zero)."""
+    row = {"row": 0, "path": "loop", "chars": 8, "load": [8], "dropped_fraction": 0.0, "padding_ratio": 1.0}
+    (only,) = sink_report.sink_table([row], top_k=1, sink_ratio=1.5)["rows"]
+    assert (only["entropy_bits"], only["entropy_fraction"], only["sinks"], only["dead"]) == (0.0, 1.0, 0, 0)
+
+
+def test_a_row_that_routed_nothing_counts_no_dead_experts():
+    """Dead means never picked while others were: with nothing routed (every row dropped) no expert is
+    singled out, as minagi.diagnostics.summarise counts it."""
+    row = {"row": 0, "path": "loop", "chars": 8, "load": [0, 0, 0, 0], "dropped_fraction": 1.0, "padding_ratio": 0.0}
+    (empty,) = sink_report.sink_table([row], top_k=2, sink_ratio=1.5)["rows"]
+    assert (empty["routed"], empty["dead"], empty["sinks"], empty["entropy_bits"]) == (0, 0, 0, 0.0)
+
+
 def test_heatmap_is_a_png_of_the_reported_size(ckpt, tmp_path, capsys):
     pytest.importorskip("matplotlib", exc_type=ImportError)  # a broken install skips too
     png = tmp_path / "load.png"
@@ -173,3 +189,17 @@ def test_a_negative_top_is_refused_in_one_line_not_read_as_all(ckpt, capsys):
         sink_report.main([str(ckpt), "--top", "-1"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == "error: argument --top: must be >= 0, got -1 (see --help)\n"
+
+
+def test_top_0_lists_every_expert_and_no_rest_line(ckpt, capsys):
+    """--help says 0 = all: accepted, and each row lists all E experts with nothing left for a "rest" line."""
+    assert sink_report.main([str(ckpt), "--top", "0", "--batches", "1"]) == 0
+    blocks = re.split(r"\n(?=row \d+:)", capsys.readouterr().out)[1:]
+    assert len(blocks) == ROWS
+    for block in blocks:
+        lines = [line.split() for line in block.splitlines()[2:] if line.strip()]
+        assert sorted(int(line[0]) for line in lines) == list(range(E))
+    loads = [8, 0, 1, 3, 2, 5, 4, 7]  # more experts than the default 5
+    row = {"row": 0, "path": "loop", "chars": 15, "load": loads, "dropped_fraction": 0.0, "padding_ratio": 1.0}
+    busiest = sink_report.sink_table([row], top_k=2, sink_ratio=1.5, top=0)["rows"][0]["busiest"]
+    assert [b["expert"] for b in busiest] == [0, 7, 5, 6, 3, 4, 2, 1]

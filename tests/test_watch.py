@@ -39,6 +39,17 @@ def test_every_number_of_a_record_has_a_tag_new_row_measures_included():
                     "routing/dead/row2": 0, "dequants/forward": 2.0}
 
 
+def test_the_load_histogram_has_every_field_of_tensorboards_histogram_by_hand():
+    """The raw histogram's samples are expert ids, each repeated by its load: [3, 1, 2] is 0, 0, 0, 1, 2, 2,
+    so min 0, max 2, num 6, sum 5, sum of squares 9, and bucket i (ending at i + 0.5) counts expert i."""
+    assert watch._load_histogram([3, 1, 2]) == {
+        "min": 0.0, "max": 2.0, "num": 6.0, "sum": 5.0, "sum_squares": 9.0,
+        "bucket_limits": [0.5, 1.5, 2.5], "bucket_counts": [3.0, 1.0, 2.0]}
+    assert watch._load_histogram([3, 1]) == {
+        "min": 0.0, "max": 1.0, "num": 4.0, "sum": 1.0, "sum_squares": 1.0,
+        "bucket_limits": [0.5, 1.5], "bucket_counts": [3.0, 1.0]}
+
+
 def test_the_mirror_holds_each_records_scalars_and_a_load_histogram_a_row(tmp_path, data_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
