@@ -105,9 +105,11 @@ def _number(value) -> bool:
 
 
 def _load_histogram(load: list[int]) -> dict:
-    """TensorBoard's raw histogram of routed rows over expert ids: expert i's bucket ends at i + 0.5."""
+    """TensorBoard's raw histogram of routed rows over expert ids: expert i's bucket ends at i + 0.5;
+    min and max are those of the samples, the first and last expert that received a row."""
     ids = range(len(load))
-    return {"min": 0.0, "max": float(len(load) - 1), "num": float(sum(load)),
+    used = [i for i in ids if load[i]] or [0]
+    return {"min": float(used[0]), "max": float(used[-1]), "num": float(sum(load)),
             "sum": float(sum(i * n for i, n in zip(ids, load))),
             "sum_squares": float(sum(i * i * n for i, n in zip(ids, load))),
             "bucket_limits": [i + 0.5 for i in ids], "bucket_counts": [float(n) for n in load]}

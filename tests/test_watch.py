@@ -48,6 +48,10 @@ def test_the_load_histogram_has_every_field_of_tensorboards_histogram_by_hand():
     assert watch._load_histogram([3, 1]) == {
         "min": 0.0, "max": 1.0, "num": 4.0, "sum": 1.0, "sum_squares": 1.0,
         "bucket_limits": [0.5, 1.5], "bucket_counts": [3.0, 1.0]}
+    # Dead experts at both ends: the samples run from expert 1 to 2 (min and max are theirs, not 0 and 3).
+    edges = watch._load_histogram([0, 4, 1, 0])
+    assert (edges["min"], edges["max"], edges["num"], edges["sum"]) == (1.0, 2.0, 5.0, 6.0)
+    assert watch._load_histogram([0, 0])["num"] == 0.0  # nothing routed: no error
 
 
 def test_the_mirror_holds_each_records_scalars_and_a_load_histogram_a_row(tmp_path, data_path):
