@@ -152,3 +152,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from minagi.train import _leave_as_rank
+    _leave_as_rank(0)  # as train.py's own rank does: no interpreter finalisation (its docstring)

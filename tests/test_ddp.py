@@ -84,7 +84,7 @@ if "result" in seen:
                 "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), "master_port": os.environ["MASTER_PORT"],
                 "state": {k: v.clone() for k, v in seen["model"].state_dict().items()}},
                os.path.join(out_dir, f"rank{rank}.pt"))
-sys.exit(code)
+train_py._leave_as_rank(code)  # as train.py's own rank does: no interpreter finalisation (its docstring)
 '''
 
 
@@ -325,6 +325,26 @@ def test_nproc_per_node_reports_a_ranks_error_as_its_one_line_and_exit_code(tmp_
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: data path {str(tmp_path / 'none.txt')!r} does not exist (expected a text file, a directory "
         "or a glob)"], done.stderr
+
+
+def test_a_rank_that_owns_its_process_leaves_without_the_interpreters_finalisation(monkeypatch, capsys):
+    """About one two-rank gloo run in 30 aborted in finalisation after finishing (SIGABRT, "terminate
+    called without an active exception"): a rank whose command line main() runs ends with os._exit,
+    flushed; one process, and a main() called with arguments, return as before."""
+    left = []
+
+    def exit_(code):
+        left.append(code)
+        raise SystemExit(code)
+    monkeypatch.setattr(train_py.os, "_exit", exit_)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--profile", "cpu_tiny", "--plan", "cpu"])
+    assert train_py.main() == 0 and left == []  # one process
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert train_py.main(["--profile", "cpu_tiny", "--plan", "cpu"]) == 0 and left == []  # called with arguments
+    with pytest.raises(SystemExit):
+        train_py.main()
+    assert left == [0]
 
 
 def test_nproc_per_node_trains_on_two_ranks(tmp_path):
