@@ -170,8 +170,8 @@ class History:
 def read_history(path: Path) -> list[dict]:
     """All records of a history.jsonl. A line torn by a crash (no newline after it, or followed by
     the newline that runs before the torn line was cut off added) is skipped; any other bad line is
-    an error naming it. Torn: a record's beginning whose JSON ends too soon, wherever the cut fell (a
-    record cut just after a nested object's closing brace ends in "}" too)."""
+    an error naming it. Torn: a record's beginning that does not end in "}", or whose JSON ends too
+    soon (a record cut just after a nested object's closing brace ends in "}" too)."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []
@@ -181,8 +181,10 @@ def read_history(path: Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            ends_too_soon = e.pos >= len(line.rstrip()) or e.msg.startswith("Unterminated string")  # cut in a string
-            if not (line.startswith("{") and ends_too_soon):
+            # Cut in a number, a name or an escape: it does not end as a record does. Cut just after a
+            # nested object's "}": the JSON ends too soon (at the line's end, or inside a string).
+            ends_too_soon = e.pos >= len(line.rstrip()) or e.msg.startswith("Unterminated string")
+            if not (line.startswith("{") and (not line.endswith("}") or ends_too_soon)):
                 raise ValueError(f"{path}:{i}: not a history record ({e.msg})") from None
     return records
 

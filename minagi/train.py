@@ -207,9 +207,12 @@ def _leave_as_rank(code: int) -> NoReturn:
     no Python frame left: a C++ thread of the job destroyed still joinable; docs/LOG.md, session 20),
     after the run had finished and written everything. By here every file the run opened is closed
     (checkpoints and history written and fsynced, the run folder released) and the process group
-    destroyed: what is left to do is flush what Python buffers."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    destroyed: what is left to do is flush what Python buffers (a closed pipe, `| head`, takes none)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     os._exit(code)
 
 

@@ -290,18 +290,18 @@ def test_an_older_runs_torn_line_kept_on_its_own_line_still_reads_back_without_i
     assert [r["step"] for r in read_history(path)] == [1, 3]
 
 
-@pytest.mark.parametrize("cut_after", ['"load": [3, 1]}', '"load": [3', '"ste'])
+@pytest.mark.parametrize("cut_after", ['"load": [3, 1]}', '"load": [3', '"ste', '"mfu": nu', '"lr": -1.5e', '"lr": -'])
 def test_a_record_torn_anywhere_is_skipped_and_a_broken_whole_line_is_an_error(tmp_path, cut_after):
     """Torn just after a nested object's "}", the line ends as a whole record does: what tells them
     apart is where the JSON stops making sense (at the end: torn; before it: broken)."""
     path = tmp_path / "history.jsonl"
-    whole = json.dumps({"step": 2, "sinks": [{"row": 0, "load": [3, 1]}], "lr": 0.1})
+    whole = json.dumps({"step": 2, "sinks": [{"row": 0, "load": [3, 1]}], "mfu": None, "lr": -1.5e-05})
     torn = whole[:whole.index(cut_after) + len(cut_after)]
     path.write_text(json.dumps({"step": 1}) + "\n" + torn)
     assert [r["step"] for r in read_history(path)] == [1]
     path.write_text(json.dumps({"step": 1}) + "\n" + torn + "\n" + json.dumps({"step": 3}) + "\n")
     assert [r["step"] for r in read_history(path)] == [1, 3]
-    path.write_text(json.dumps({"step": 1}) + "\n" + whole.replace(', "lr"', ',, "lr"') + "\n")
+    path.write_text(json.dumps({"step": 1}) + "\n" + whole.replace(', "mfu"', ',, "mfu"') + "\n")
     with pytest.raises(ValueError, match=r"history.jsonl:2: not a history record"):
         read_history(path)
 
