@@ -15,7 +15,7 @@ Shapes: h [R, 2F] (the gate half a, then the up half b), gate g [R], grad and ac
              picking the half, was twice as slow: docs/LOG.md.)
 Math in fp32; results stored in h's dtype (the gate terms too, as the eager ops' products are).
 
-Packed words (bf16 and fp16, F a multiple of 4: the usual case): every operand read as int64 words of
+Packed words (bf16, F a multiple of 4: the usual case; fp16 when asked): every operand read as int64 words of
 4 lanes, 8-byte loads and stores where the halves of h would be read 2 bytes at a time
 (minagi/swiglu_words.py); where they cannot run, the one-lane kernels above.
 
@@ -74,7 +74,11 @@ def _kernel(name: str):
     return _KERNELS[name]
 
 
-PACK_WORDS = True  # bf16 and fp16 run the packed kernels where they can; tools/bench_swiglu.py turns it off to compare
+PACK_WORDS = True  # bf16 runs the packed kernels where it can; tools/bench_swiglu.py turns it off to compare
+# Where a call packs unless told: bf16. fp16's kernels unpack and round each lane by hand, and ran slower
+# than one lane on the H200 (2.46 against 1.79 ms at the bench's size, docs/benchmarks.md section 26):
+# they run when asked for (`packed=True`), as the tests do.
+PACKED_BY_DEFAULT = (torch.bfloat16,)
 
 
 def _packable(h_RF2: Tensor) -> bool:
@@ -89,7 +93,8 @@ def _packs(h_RF2: Tensor, elementwise, packed: bool | None) -> bool:
     otherwise, or the packed kernels failed their probe on this device (the one-lane ones run then)."""
     if packed is not None:
         return packed
-    return PACK_WORDS and _packable(h_RF2) and (elementwise is not None or packed_works(h_RF2.device, h_RF2.dtype))
+    return (PACK_WORDS and h_RF2.dtype in PACKED_BY_DEFAULT and _packable(h_RF2)
+            and (elementwise is not None or packed_works(h_RF2.device, h_RF2.dtype)))
 
 
 def _words(t_RN: Tensor) -> Tensor:

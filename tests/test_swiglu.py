@@ -148,13 +148,19 @@ def test_jit_views_with_torch_stand_ins_match_fp64_eager(chunk):
 
 @pytest.mark.parametrize("chunk", [swiglu_jit._CHUNK, 50])
 @pytest.mark.parametrize("dtype,fmt", [(torch.bfloat16, "bf16"), (torch.float16, "f16")])
-def test_jit_packed_words_with_torch_stand_ins_match_fp64_eager(chunk, dtype, fmt):
-    """bf16 and fp16 with F a multiple of 4 read int64 words of 4 lanes; other widths, one element at a time."""
+def test_jit_packed_words_with_torch_stand_ins_match_fp64_eager(chunk, dtype, fmt, monkeypatch):
+    """bf16 (and fp16 when asked) with F a multiple of 4 read int64 words of 4 lanes; other widths, one
+    element at a time. fp16 runs one lane unless asked: its packed kernels were slower on the H200."""
     called = []
 
     def recording(name, *tensors):
         called.append((name, {t.dtype for t in tensors}))
         return swiglu_jit.torch_elementwise(name, *tensors)
+    if dtype == torch.float16:
+        check_jit("cpu", dtype, 1e-2, recording, chunk)
+        assert {name for name, _ in called} == {"forward", "backward"}
+        called.clear()
+        monkeypatch.setattr(swiglu_jit, "PACKED_BY_DEFAULT", (torch.bfloat16, torch.float16))
     check_jit("cpu", dtype, 1e-2, recording, chunk)  # SHAPES' widths are multiples of 4
     assert {name for name, _ in called} == {f"forward_packed_{fmt}", f"backward_packed_{fmt}"}
     assert all(dtypes == {torch.int64} for _, dtypes in called)  # jiterator gives every operand one type
@@ -288,7 +294,7 @@ def test_swiglu_jiterator_setting_runs_the_jit_function_and_matches_eager():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_jit_packed_kernels_equal_the_one_lane_kernels_on_cuda(monkeypatch, dtype):
+def test_jit_packed_kernels_equal_the_one_lane_kernels_on_cuda(dtype):
     """The same fp32 maths and rounding: act and grad h equal bit for bit; the gate gradient's terms
     are summed in another order (fp32 per word, against 2-byte products)."""
     gen = torch.Generator().manual_seed(5)
@@ -298,9 +304,8 @@ def test_jit_packed_kernels_equal_the_one_lane_kernels_on_cuda(monkeypatch, dtyp
     gate = torch.rand(3000, generator=gen).cuda().to(dtype)
     grad = torch.randn(3000, 512, generator=gen).cuda().to(dtype)
     outs = {}
-    for packed in (True, False):
-        monkeypatch.setattr(swiglu_jit, "PACK_WORDS", packed)
-        outs[packed] = (swiglu_jit.forward(h, gate), *swiglu_jit.backward(h, gate, grad))
+    for packed in (True, False):  # asked for: fp16 runs one lane unless it is
+        outs[packed] = (swiglu_jit.forward(h, gate, packed=packed), *swiglu_jit.backward(h, gate, grad, packed=packed))
     for name, a, b in zip(("act", "grad h"), outs[True][:2], outs[False][:2]):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name  # NaN bits included
     assert relative_error(outs[True][2][1:].cpu(), outs[False][2][1:].double().cpu()) < 1e-2
