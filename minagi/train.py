@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
 
 def _is_rank() -> bool:
     """A torchrun worker of a job of several (the launcher of --nproc-per-node is not one)."""
+    from minagi import distributed  # torch is in by now: _main imported it
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
+        return distributed.rank_info().distributed
+    except distributed.LaunchError:  # reported by _main already
         return False
 
 
