@@ -194,11 +194,12 @@ def main(argv: list[str] | None = None, *, entry: str | None = None) -> int:
 
 
 def _is_rank() -> bool:
-    """A torchrun worker of a job of several (the launcher of --nproc-per-node is not one)."""
-    from minagi import distributed  # torch is in by now: _main imported it
+    """A torchrun worker of a job of several (the launcher of --nproc-per-node is not one). Read here,
+    not through distributed.rank_info, whose module imports torch: a Ctrl-C during torch's import ends
+    up here too, and must not import it again."""
     try:
-        return distributed.rank_info().distributed
-    except distributed.LaunchError:  # reported by _main already
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:  # reported by _main already
         return False
 
 
