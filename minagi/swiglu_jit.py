@@ -103,40 +103,60 @@ def _words(t_RN: Tensor) -> Tensor:
 
 
 def _gate_words(gate_R: Tensor) -> Tensor:
-    """[R] -> [R, 1] int64 holding each gate's fp32 bits (sign-extended)."""
-    return gate_R.float().view(torch.int32).to(torch.int64)[:, None]
+    """[R] -> [R, 1] int64 words, each gate's fp32 bits in the low 32 (the kernels mask the high half,
+    left unwritten): one cast-and-copy kernel, made once in forward and saved for backward."""
+    words_R1 = torch.empty(gate_R.shape[0], 1, dtype=torch.int64, device=gate_R.device)
+    words_R1.view(torch.float32)[:, :1].copy_(gate_R[:, None])  # little-endian: the low half first
+    return words_R1
+
+
+def gate_operand(h_RF2: Tensor, gate_R: Tensor, elementwise=None, packed: bool | None = None) -> tuple[bool, Tensor]:
+    """(whether the kernels for h pack, the gate as they take it: [R, 1] of the gate's dtype, or its
+    fp32 bits in int64 words). JitSwiGLU makes it once in forward and keeps it for backward."""
+    packs = _packs(h_RF2, elementwise, packed)
+    return packs, (_gate_words(gate_R) if packs else gate_R[:, None])
 
 
 def forward(h_RF2: Tensor, gate_R: Tensor, elementwise=None, packed: bool | None = None) -> Tensor:
     """act [R, F]. `elementwise(name, *tensors)` runs a kernel (tests pass a torch stand-in); `packed`
     chooses the kernels (None: the packed ones where they run)."""
+    return forward_with(h_RF2, *gate_operand(h_RF2, gate_R, elementwise, packed), elementwise)
+
+
+def forward_with(h_RF2: Tensor, packs: bool, gate_in: Tensor, elementwise=None) -> Tensor:
+    """forward() with the gate as `gate_operand` made it."""
     run = elementwise or _launch
     rows, width = h_RF2.shape[0], h_RF2.shape[1] // 2
     if rows == 0:
         return h_RF2.new_empty(0, width)
-    if _packs(h_RF2, elementwise, packed):
+    if packs:
         h_RW2 = _words(h_RF2)  # W = F/4 words a half
         words = width // LANES
         name = swiglu_words.kernel_name("forward", h_RF2.dtype)
-        return run(name, h_RW2[:, :words], h_RW2[:, words:], _gate_words(gate_R)).view(h_RF2.dtype)
-    return run("forward", h_RF2[:, :width], h_RF2[:, width:], gate_R[:, None])
+        return run(name, h_RW2[:, :words], h_RW2[:, words:], gate_in).view(h_RF2.dtype)
+    return run("forward", h_RF2[:, :width], h_RF2[:, width:], gate_in)
 
 
 def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = True,
              elementwise=None, chunk: int = _CHUNK, packed: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """(grad h [R, 2F], grad gate [R] or None when `gate_grad` is False)."""
+    packs, gate_in = gate_operand(h_RF2, gate_R, elementwise, packed)
+    return backward_with(h_RF2, packs, gate_in, gate_R.dtype, grad_RF, gate_grad, elementwise, chunk)
+
+
+def backward_with(h_RF2: Tensor, packed: bool, gate_in: Tensor, gate_dtype: torch.dtype, grad_RF: Tensor,
+                  gate_grad: bool = True, elementwise=None, chunk: int = _CHUNK) -> tuple[Tensor, Tensor | None]:
+    """backward() with the gate as `gate_operand` made it; the gate's gradient in `gate_dtype`."""
     run = elementwise or _launch
     rows, width = grad_RF.shape
-    packed, dtype = _packs(h_RF2, elementwise, packed), h_RF2.dtype
+    dtype = h_RF2.dtype
     name = "backward" if gate_grad else "backward_h"
     if packed:  # the same loop over int64 words; the gate terms come back as fp32 bits
         name = swiglu_words.kernel_name(name, dtype)
         if not (grad_RF.stride(1) == 1 and grad_RF.stride(0) % LANES == 0 and grad_RF.storage_offset() % LANES == 0):
             grad_RF = grad_RF.clone(memory_format=torch.contiguous_format)  # whole words, a row apart
-        h_RF2, grad_RF, gate_in = _words(h_RF2), _words(grad_RF), _gate_words(gate_R)
+        h_RF2, grad_RF = _words(h_RF2), _words(grad_RF)
         width //= LANES
-    else:
-        gate_in = gate_R[:, None]
     step = max(1, chunk // max(width * (LANES if packed else 1), 1))
 
     def terms_sum(terms: Tensor) -> Tensor:
@@ -146,11 +166,11 @@ def backward(h_RF2: Tensor, gate_R: Tensor, grad_RF: Tensor, gate_grad: bool = T
 
     if 0 < rows <= step:  # one block (the usual case): no copies into place, fewer launches
         outs = run(name, h_RF2[:, :width], h_RF2[:, width:], grad_RF, gate_in)
-        grad_gate = terms_sum(outs[2]).to(gate_R.dtype) if gate_grad else None
+        grad_gate = terms_sum(outs[2]).to(gate_dtype) if gate_grad else None
         grad_h = torch.cat(outs[:2], dim=1)
         return (grad_h.view(dtype) if packed else grad_h), grad_gate
     grad_h = h_RF2.new_empty(rows, 2 * width)
-    grad_gate = gate_R.new_empty(rows) if gate_grad else None
+    grad_gate = h_RF2.new_empty(rows, dtype=gate_dtype) if gate_grad else None
     for start in range(0, rows, step):
         r = slice(start, min(start + step, rows))
         h_CF2 = h_RF2[r]
@@ -166,17 +186,20 @@ def _launch(name: str, *tensors: Tensor):
 
 
 class JitSwiGLU(torch.autograd.Function):
-    """forward(h [R, 2F], gate [R]) -> act [R, F]; saves only h and the gate."""
+    """forward(h [R, 2F], gate [R]) -> act [R, F]; saves only h and the gate's operand ([R, 1]: the gate,
+    or its words, made once: a packed call at T = 2,048 is bound by its launches, docs/benchmarks.md §27)."""
 
     @staticmethod
     def forward(ctx, h_RF2: Tensor, gate_R: Tensor) -> Tensor:
-        ctx.save_for_backward(h_RF2, gate_R)
-        return forward(h_RF2, gate_R)
+        packs, gate_in = gate_operand(h_RF2, gate_R)
+        ctx.save_for_backward(h_RF2, gate_in)
+        ctx.packs, ctx.gate_dtype = packs, gate_R.dtype
+        return forward_with(h_RF2, packs, gate_in)
 
     @staticmethod
     def backward(ctx, grad_RF: Tensor):
-        h_RF2, gate_R = ctx.saved_tensors
-        return backward(h_RF2, gate_R, grad_RF, gate_grad=ctx.needs_input_grad[1])
+        h_RF2, gate_in = ctx.saved_tensors
+        return backward_with(h_RF2, ctx.packs, gate_in, ctx.gate_dtype, grad_RF, gate_grad=ctx.needs_input_grad[1])
 
 
 _ANSWERS: dict[tuple, bool] = {}

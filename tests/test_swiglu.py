@@ -212,11 +212,31 @@ def test_jit_autograd_function_saves_h_and_the_gate_and_matches_eager(monkeypatc
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         act = swiglu_jit.JitSwiGLU.apply(h, gate)
-    assert saved == [h.shape, gate.shape]  # not the eager ops' two [rows, F] products
+    assert saved == [h.shape, (9, 1)]  # h and the gate's operand, not the eager ops' two [rows, F] products
     act.backward(grad)
     want = reference(h.detach(), gate.detach(), grad)
     for got, ref in zip((act.detach(), h.grad, gate.grad), want):
         assert relative_error(got, ref) < 1e-5
+
+
+def test_jit_autograd_function_makes_the_packed_gate_words_once_and_matches_the_functions(monkeypatch):
+    """A packed call's gate words (a cast kernel) are made in forward and kept for backward, not made again."""
+    monkeypatch.setattr(swiglu_jit, "_launch", swiglu_jit.torch_elementwise)
+    monkeypatch.setattr(swiglu_jit, "_ANSWERS", {("cpu", None, str(torch.bfloat16), "packed"): True})
+    made = []
+    gate_words = swiglu_jit._gate_words
+    monkeypatch.setattr(swiglu_jit, "_gate_words", lambda g: made.append(g.shape) or gate_words(g))
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(7, 16, generator=gen).bfloat16().requires_grad_()
+    gate = torch.rand(7, generator=gen).bfloat16().requires_grad_()
+    grad = torch.randn(7, 8, generator=gen).bfloat16()
+    act = swiglu_jit.JitSwiGLU.apply(h, gate)
+    act.backward(grad)
+    assert made == [(7,)]
+    want_act = swiglu_jit.forward(h.detach(), gate.detach(), swiglu_jit.torch_elementwise)
+    want_h, want_gate = swiglu_jit.backward(h.detach(), gate.detach(), grad, elementwise=swiglu_jit.torch_elementwise)
+    assert torch.equal(act.detach(), want_act) and torch.equal(h.grad, want_h) and torch.equal(gate.grad, want_gate)
+    assert gate.grad.dtype == torch.bfloat16
 
 
 def test_jit_probe_says_no_with_why_where_the_kernels_fail_or_differ(monkeypatch):
