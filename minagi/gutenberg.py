@@ -9,6 +9,7 @@ The body is the text strictly between the START line and the END line. The varia
   END    `*** END OF THIS ...` / `***END OF THE ...` as above, or the first line before it that
          begins `End of the Project Gutenberg EBook of` / `End of Project Gutenberg's` (most files
          carry that line just above the END line; in old files it is the only end mark).
+  Case, the spaces between a marker's words (one or more, or tabs) and indentation are free.
 
 Inside the body, a paragraph (lines between blank lines) that names "Project Gutenberg" is PG's
 own note, not the book's (a "Produced by an anonymous Project Gutenberg volunteer" credit, a
@@ -21,11 +22,15 @@ import re
 
 __all__ = ["MarkersMissing", "strip_gutenberg", "STRIP_VERSION"]
 
-STRIP_VERSION = "pg-strip-v1"  # part of the corpus cache key: bump when the rules below change
+STRIP_VERSION = "pg-strip-v2"  # part of the corpus cache key: bump when the rules below change
 
-_BOOK = r"(?:THE |THIS )(?:COPYRIGHTED )?PROJECT GUTENBERG E(?:BOOK|TEXT)\b"
-_START = re.compile(rf"^(?:\*\*\* ?START OF {_BOOK}|\*END\*? ?THE SMALL PRINT)[^\n]*$", re.M | re.I)
-_END = re.compile(rf"^(?:\*\*\* ?END OF {_BOOK}|End of (?:the )?Project Gutenberg\b)[^\n]*$", re.M | re.I)
+_GAP = r"[ \t]+"  # between a marker's words: files hand-edited or re-wrapped carry two spaces, or a tab
+_BOOK = rf"(?:THE|THIS){_GAP}(?:COPYRIGHTED{_GAP})?PROJECT{_GAP}GUTENBERG{_GAP}E(?:BOOK|TEXT)\b"
+_MARK = r"^[ \t]*\*\*\*[ \t]*"  # a marker line's opening stars, indented or not
+_SMALL_PRINT = rf"\*END\*?[ \t]*THE{_GAP}SMALL{_GAP}PRINT"
+_END_OF_PG = rf"End{_GAP}of{_GAP}(?:the{_GAP})?Project{_GAP}Gutenberg\b"
+_START = re.compile(rf"(?:{_MARK}START{_GAP}OF{_GAP}{_BOOK}|^[ \t]*{_SMALL_PRINT})[^\n]*$", re.M | re.I)
+_END = re.compile(rf"(?:{_MARK}END{_GAP}OF{_GAP}{_BOOK}|^[ \t]*{_END_OF_PG})[^\n]*$", re.M | re.I)
 _BLANK_LINES = re.compile(r"(\n(?:[ \t]*\n)+)")  # captured: re.split keeps them
 _NAMES_PG = re.compile(r"Project\s+Gutenberg", re.I)
 

@@ -402,6 +402,7 @@ def _pg_file(start: str, end: str, book: str = BOOK) -> str:
     ("*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***", "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***"),
     ("***START OF THE PROJECT GUTENBERG EBOOK NIGHT***", "***END OF THE PROJECT GUTENBERG EBOOK NIGHT***"),
     ("*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*", "(no END line: old files)"),
+    ("  ***  START OF THIS  PROJECT\tGUTENBERG EBOOK NIGHT ***", "\t*** END  OF THE PROJECT GUTENBERG\tEBOOK NIGHT ***"),
 ])
 def test_strip_gutenberg_keeps_only_the_book_before_vocab_and_split(tmp_path, cache, start, end):
     path = _write(tmp_path / "night.txt", _pg_file(start, end))
