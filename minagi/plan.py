@@ -15,6 +15,7 @@ against (docs/benchmarks.md §15):
   router's input and probabilities, and per routed row the experts' input, SwiGLU input, activation
   (and the eager SwiGLU's two products): `row_saved`. Per row besides: the bf16 casts of its weights
   (autocast's cache, the expert stacks' casts); none for frozen stacks (they are dequantized at each use);
+  and the head's weight cast, kept until the head's backward (`head_copy`);
 - row checkpointing keeps only each row's input and recomputes one row at a time in backward (the
   replay), with the replay pin's dequantized stacks kept until that row's backward;
 - the step is walked phase by phase (forward, then each row's backward from the last, the optimizer),
@@ -255,6 +256,11 @@ def _expert_row_bytes(s: _Shape) -> int:
     return sum(_expert_parts(s).values())
 
 
+def head_copy(s: _Shape) -> int:
+    """Bytes of the head's weight cast to the compute dtype (autocast's), kept for the head's backward."""
+    return s.V * s.D * s.c if s.autocast else 0
+
+
 def weight_copies(s: _Shape) -> int:
     """Bytes a row keeps of its weights cast to the compute dtype (autocast's cache, the stacks' casts)."""
     if not s.autocast:
@@ -476,10 +482,12 @@ def _walk(cfg: Config, s: _Shape, st: _Step, persistent: dict[str, int], counts:
         _row_forward(tape, s, st, saving=not st.checkpointed)
     tape.phase = "forward, head and loss"
     head = head_saved(s)
+    tape.alloc("weight copies", head_copy(s))
     tape.alloc("activations", head)
     tape.phase = "backward, head and loss"
     tape.hold("backward transients", s.N * (8 * s.V + 2 * s.c * s.V + 4 * s.D + s.c * s.D))
     tape.free("activations", head)
+    tape.free("weight copies", head_copy(s))
     tape.alloc("gradients", 0 if st.grads_whole else 4 * s.V * s.D)
     for row in reversed(range(s.L)):
         tape.phase = f"backward, row {row + 1}" + (" (its replay)" if st.checkpointed else "")

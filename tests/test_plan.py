@@ -189,7 +189,7 @@ def test_the_heads_saved_tensors_are_what_autograd_saves_for_the_head_alone(prec
     import torch.nn.functional as F
 
     from minagi import rowmath
-    from minagi.plan import head_saved
+    from minagi.plan import head_copy, head_saved
     sets = ["model.d_model=64", "model.n_heads=4", "model.context=40", "train.batch_size=2",
             f"train.precision={precision}"]  # N = 80 characters: no saved tensor shaped as the head's weight
     s = _resolve(load_config(None, sets), TARGETS["cpu"], 1, 96)
@@ -199,12 +199,13 @@ def test_the_heads_saved_tensors_are_what_autograd_saves_for_the_head_alone(prec
     norm_w, head_w = torch.ones(64, requires_grad=True), torch.randn(96, 64, requires_grad=True)
     y = torch.randint(0, 96, (2, 40))
     skip = {t.untyped_storage().data_ptr() for t in (x, norm_w, head_w)}
-    seen = {}
+    seen, weight_cast = {}, {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in skip and t.shape not in (head_w.shape, head_w.t().shape):  # its cast: not N's
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in skip:  # the weight's cast is the plan's weight copies, not N's
+            into = weight_cast if t.shape in (head_w.shape, head_w.t().shape) else seen
+            into[storage.data_ptr()] = storage.nbytes()
         return t
     autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:  # as CharLM.forward's head
@@ -212,6 +213,7 @@ def test_the_heads_saved_tensors_are_what_autograd_saves_for_the_head_alone(prec
         F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
     seen[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()  # returned: alive too
     assert head_saved(s) == pytest.approx(sum(seen.values()), abs=16 * s.N)  # within 16 bytes a character
+    assert head_copy(s) == sum(weight_cast.values())  # none in fp32: the weight itself is saved
 
 
 def test_offloads_prefetch_holds_a_second_rows_stacks():
