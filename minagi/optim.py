@@ -14,9 +14,19 @@ run drew, whatever else used the global generators. The arithmetic is torch's `_
 in chunks of at most CHUNK weights (a larger tensor alone): the update's temporaries (the two fp32
 moments, the denominator, the rounding's bits and result: ~20 bytes a weight) then cost at most
 20 x CHUNK bytes at a time, not 20 bytes a weight (which would make the update the peak of a small card).
+
+On an NVIDIA GPU with Triton the update is instead one kernel a tensor (minagi/adamw_triton.py: the
+same arithmetic, no temporaries, its rounding bits Philox's at (a per-tensor seed, the element). The
+foreach form launches ~20 kernels and a few copies a chunk; its launches held the host, and bf16 states
+trained at 0.71x fp32's speed (docs/benchmarks.md §16). `fused` says which: None picks the kernel where
+it runs and passes its probe. The two draw different rounding bits, so a run resumed exactly takes the
+same form as before (a machine without Triton cannot go on bit for bit). `tools/bench_optim.py` times
+the three optimizers side by side.
 """
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from typing import Iterable
 
 import torch
@@ -26,6 +36,8 @@ __all__ = ["AdamWBF16", "build_optimizer", "state_bytes"]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 24  # weights updated together: temporaries of at most ~20 x 16M bytes = 320 MiB
+_TRITON = importlib.util.find_spec("triton") is not None
+_WARNED: set[torch.device] = set()  # devices whose failed kernel probe was said
 UPDATE_TEMP = 20  # bytes a weight of a chunk the update holds at once: 2 x 4 fp32 moments, 4 denominator
 #                   (freed before rounding) or 2 + 9 rounding (bf16 result, int32 bits, mask, where's copy)
 
@@ -68,10 +80,30 @@ class AdamWBF16(torch.optim.Optimizer):
     are (fp32). Same hyper-parameters and update as `torch.optim.AdamW` with amsgrad off."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, seed: int = 0):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, seed: int = 0, fused: bool | None = None):
         if lr <= 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid AdamW settings: lr {lr}, betas {betas}, eps {eps}, weight_decay {weight_decay}")
+        if fused and not _TRITON:
+            raise RuntimeError("AdamWBF16(fused=True) needs Triton, which is not installed here")
+        # Not a group setting: a checkpoint's param_groups (written with or without it) must load either way.
+        self.fused = fused
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed))
+
+    def fuses(self, device: torch.device) -> bool:
+        """Whether tensors on `device` take the Triton kernel: `fused` as given, else (None) an NVIDIA GPU with Triton
+        (ROCm's Triton was never run with it) where the kernel passed its probe there (`adamw_triton.works`;
+        a failure is one warning). fused=True on the CPU runs Triton's interpreter (TRITON_INTERPRET=1)."""
+        if self.fused is not None:
+            return self.fused
+        if not (device.type == "cuda" and _TRITON and torch.version.hip is None):
+            return False
+        from . import adamw_triton  # imports Triton: only runs that may fuse pay for it
+        why = adamw_triton.works(device)
+        if why and device not in _WARNED:
+            _WARNED.add(device)
+            warnings.warn(f"the fused bf16 AdamW kernel {why} on {device} (torch {torch.__version__}): the bf16 "
+                          "states update through torch's foreach ops instead", stacklevel=2)
+        return not why
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts every floating state tensor to its parameter's dtype on load: the moments go back to bf16."""
@@ -95,10 +127,30 @@ class AdamWBF16(torch.optim.Optimizer):
                         raise RuntimeError("AdamWBF16 does not support sparse gradients")
                     by_device.setdefault(p.device, []).append(p)
             for device, params in by_device.items():
-                generator = torch.Generator(device=device)
-                for c, chunk in enumerate(_chunks(params)):
-                    self._update(group, chunk, generator, (g, c))
+                if self.fuses(device):
+                    params = self._update_fused(group, params, g)  # what the kernel cannot take is left
+                if params:
+                    generator = torch.Generator(device=device)
+                    for c, chunk in enumerate(_chunks(params)):
+                        self._update(group, chunk, generator, (g, c))
         return loss
+
+    def _update_fused(self, group: dict, params: list[Tensor], g: int) -> list[Tensor]:
+        """One AdamW step of each of `params` that the kernel takes (minagi/adamw_triton.py), its rounding
+        seeded by (the group's seed, the step, group `g`, the tensor's place in the group); the rest returned."""
+        from . import adamw_triton  # imports Triton: only runs that fuse pay for it
+        (beta1, beta2), left = group["betas"], []
+        for t, p in enumerate(params):
+            state = self._state(p)
+            if not adamw_triton.fits(p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+                left.append(p)
+                continue
+            state["step"] += 1
+            step = int(state["step"])
+            adamw_triton.update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
+                                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                                 seed=(((group["seed"] * 1_000_003 + step) * 1_009 + g) * 65_537 + t) % 2**63)
+        return left
 
     def _update(self, group: dict, params: list[Tensor], generator: torch.Generator, where: tuple[int, int]) -> None:
         """One AdamW step of `params` (one device, one chunk): the moments read into one flat fp32 buffer
@@ -112,7 +164,7 @@ class AdamWBF16(torch.optim.Optimizer):
         step = int(states[0]["step"])  # a group's parameters step together
         sizes = [p.numel() for p in params]
         grads = [p.grad.float() for p in params]
-        flat = {key: torch.cat([s[key].view(-1) for s in states]).float() for key in _STATE_KEYS}
+        flat = {key: torch.cat([s[key].reshape(-1) for s in states]).float() for key in _STATE_KEYS}  # reshape: a weight may be strided
         exp_avg, exp_avg_sq = ([t.view_as(p) for t, p in zip(flat[key].split(sizes), params)] for key in _STATE_KEYS)
         torch._foreach_lerp_(exp_avg, grads, 1 - beta1)  # m = beta1 m + (1 - beta1) g
         torch._foreach_mul_(exp_avg_sq, beta2)

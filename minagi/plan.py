@@ -461,9 +461,12 @@ def _pins(cfg: Config, s: _Shape) -> tuple[bool, bool]:
 
 
 def _optimizer_transient(cfg: Config, s: _Shape, counts: dict[str, int], target: Target) -> int:
-    """The update's temporaries: none for fused AdamW (CUDA); torch's per-tensor loop (CPU) one fp32
-    tensor of the largest; minagi's bf16 AdamW a chunk's fp32 moments, denominator and rounding."""
+    """The update's temporaries: none for fused AdamW (CUDA) and for minagi's bf16 AdamW where its Triton
+    kernel runs (NVIDIA with Triton: minagi/adamw_triton.py); torch's per-tensor loop (CPU) one fp32 tensor
+    of the largest; the bf16 AdamW's foreach form a chunk's fp32 moments, denominator and rounding."""
     largest = s.E * s.D * 2 * s.F if s.pooled and not s.frozen else 4 * s.D * s.D
+    if cfg.train.optimizer_states == "bf16" and target.kernels and target.name != "rocm":
+        return 0
     if cfg.train.optimizer_states == "bf16":
         from .optim import CHUNK, UPDATE_TEMP
         return UPDATE_TEMP * max(largest, min(CHUNK, counts["trainable"]))

@@ -107,6 +107,14 @@ def test_the_plan_says_what_each_setting_saves():
     parts = lambda plan: {p.name: p.bytes for p in plan.parts}  # noqa: E731
     lean = plan_memory(load_config("h200", ["train.optimizer_states=bf16"]))
     assert parts(lean)["optimizer states"] * 2 == parts(base)["optimizer states"]
+    # The bf16 update holds a chunk's fp32 temporaries in its foreach form (the CPU, a GPU without
+    # minagi's kernels), none through its Triton kernel (NVIDIA with Triton), like torch's fused AdamW.
+    # At batch 1 the foreach form's update is the peak: 20 bytes a weight of the largest stack (gate_up: 64 x 512 x 2 x 512).
+    one = load_config("h200", ["train.optimizer_states=bf16", "train.batch_size=1"])
+    foreach, fused = plan_memory(one, "sm75"), plan_memory(one, "sm90")
+    assert foreach.phase == "optimizer step" and parts(foreach)["optimizer transients"] == 20 * 64 * 512 * 2 * 512
+    assert fused.phase != "optimizer step" and "optimizer transients" not in parts(fused)
+    assert fused.peak_allocated < foreach.peak_allocated
     eager = plan_memory(load_config("h200", ["train.compile=false"]))  # row checkpointing is not compiled whole
     checkpointed = plan_memory(load_config("h200", ["train.checkpoint_rows=true", "train.compile=false"]))
     assert checkpointed.peak_allocated < eager.peak_allocated / 3
