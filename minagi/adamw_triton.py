@@ -47,8 +47,9 @@ def _update_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, seed, keep, lerp_w, beta2, one
     m = tl.where(lerp_w < 0.5, m + lerp_w * (g - m), g - (g - m) * (1 - lerp_w))  # torch.lerp(m, g, 1 - beta1)
     v = v * beta2 + one_minus_beta2 * (g * g)     # mul_(beta2), addcmul_(g, g, 1 - beta2)
     p = p * keep                                  # decoupled decay: 1 - lr * weight_decay
-    denom = tl.sqrt(v) / sqrt_c2 + eps
-    p = p - step_size * (m / denom)               # addcdiv_(m, denom, -lr / c1)
+    # IEEE square root and division (Triton's plain ones are approximate on NVIDIA), as torch's ops round.
+    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_c2) + eps
+    p = p - step_size * tl.div_rn(m, denom)       # addcdiv_(m, denom, -lr / c1)
     tl.store(p_ptr + offs, p, mask=mask)
     r_m, r_v, _, _ = tl.randint4x(seed, offs)
     tl.store(m_ptr + offs, _round_bits(m, r_m).to(tl.int16), mask=mask)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU figures of docs/benchmarks.md in one go: GPU tests, NF4 dequant bandwidth, the dispatch
 # targets, training throughput and MFU of the GPU profiles, frozen experts (pin against recompute,
-# offload, memory), h200_offload under its cap, a short h200 run, and writing speed.
-#   bash tools/h200_figures.sh OUT_DIR        (~15 minutes on one H200)
+# offload, memory), the optimizer step (bf16 states), h200_offload under its cap, a short h200 run, and writing speed.
+#   bash tools/h200_figures.sh OUT_DIR        (~15 minutes on one H200, before the optimizer lines)
 set -uo pipefail
 out=${1:?usage: h200_figures.sh OUT_DIR}
 mkdir -p "$out"
@@ -19,6 +19,9 @@ python3 tools/bench_train.py --profiles h200 --compile off on --steps 25 --warmu
 python3 tools/bench_train.py --profiles cuda_small strix_small strix_large h200_gutenberg h200_gutenberg_dense \
   h200_shakespeare h200_shakespeare_dense --compile off --steps 12 --warmup 4 --sync-trace \
   --json "$out/train_mfu.json" | tee "$out/train_mfu.md"
+python3 tools/bench_optim.py --profiles h200_shakespeare h200_gutenberg h200 | tee "$out/optim.md"          # bf16 states
+python3 tools/bench_paired.py --profile h200_shakespeare --variant "train.optimizer_states=fp32" \
+  --variant "train.optimizer_states=bf16" --json "$out/paired_states.json" | tee "$out/paired_states.md"
 python3 tools/bench_frozen.py --profile h200_frozen --steps 6 --warmup 3 \
   --modes recompute pin offload-sync offload-prefetch --json "$out/frozen.json" | tee "$out/frozen.md"         # §7, §9
 python3 tools/bench_frozen.py --profile h200_frozen --set pool.n_experts=64 --steps 3 --warmup 2 \
