@@ -15,8 +15,9 @@ in chunks of at most CHUNK weights (a larger tensor alone): the update's tempora
 moments, the denominator, the rounding's bits and result: ~20 bytes a weight) then cost at most
 20 x CHUNK bytes at a time, not 20 bytes a weight (which would make the update the peak of a small card).
 
-On an NVIDIA GPU with Triton the update is instead one kernel a tensor (minagi/adamw_triton.py: the
-same arithmetic, no temporaries, its rounding bits Philox's at (a per-tensor seed, the element). The
+On an NVIDIA GPU with Triton the update is instead one launch a group (minagi/adamw_triton.py: the
+same arithmetic, one pass over each tensor, no temporaries, its rounding bits Philox's at (a per-tensor
+seed, the element)). The
 foreach form launches ~20 kernels and a few copies a chunk; its launches held the host, and bf16 states
 trained at 0.71x fp32's speed (docs/benchmarks.md §16). `fused` says which: None picks the kernel where
 it runs and passes its probe. The two draw different rounding bits, so a run resumed exactly takes the
@@ -105,6 +106,13 @@ class AdamWBF16(torch.optim.Optimizer):
                           "states update through torch's foreach ops instead", stacklevel=2)
         return not why
 
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles (and deep-copies) only defaults, state and param_groups.
+        return {**super().__getstate__(), "fused": self.fused}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({"fused": None, **state})
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts every floating state tensor to its parameter's dtype on load: the moments go back to bf16."""
         super().load_state_dict(state_dict)
@@ -136,20 +144,26 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
     def _update_fused(self, group: dict, params: list[Tensor], g: int) -> list[Tensor]:
-        """One AdamW step of each of `params` that the kernel takes (minagi/adamw_triton.py), its rounding
-        seeded by (the group's seed, the step, group `g`, the tensor's place in the group); the rest returned."""
+        """One AdamW step of each of `params` that the kernel takes, in one launch (minagi/adamw_triton.py),
+        each tensor's rounding seeded by (the group's seed, the step, group `g`, its place in the group);
+        the rest returned."""
         from . import adamw_triton  # imports Triton: only runs that fuse pay for it
-        (beta1, beta2), left = group["betas"], []
+        taken, places, counters, left = [], [], [], []
         for t, p in enumerate(params):
             state = self._state(p)
             if not adamw_triton.fits(p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
                 left.append(p)
                 continue
-            state["step"] += 1
-            step = int(state["step"])
-            adamw_triton.update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
-                                 beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                                 seed=(((group["seed"] * 1_000_003 + step) * 1_009 + g) * 65_537 + t) % 2**63)
+            taken.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            places.append(t)
+            counters.append(state["step"])
+        if taken:
+            torch._foreach_add_(counters, 1)  # the CPU step counters, at once: a tensor each costs the host ~4 us
+            steps = [int(s) for s in torch.stack(counters).tolist()]
+            seeds = [(((group["seed"] * 1_000_003 + s) * 1_009 + g) * 65_537 + t) % 2**63 for s, t in zip(steps, places)]
+            beta1, beta2 = group["betas"]
+            adamw_triton.update_many_(taken, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                      weight_decay=group["weight_decay"], steps=steps, seeds=seeds, fitted=True)
         return left
 
     def _update(self, group: dict, params: list[Tensor], generator: torch.Generator, where: tuple[int, int]) -> None:

@@ -59,6 +59,14 @@ def check_kernel(device: str) -> None:
         assert inside.all(), f"{name}: {int((~inside).sum())} of {n} off their bf16 neighbours"
         assert (got_x.float() != lo).any() and (got_x.float() != hi).any(), f"{name}: rounded one way only"
 
+    # eps where it weighs (added to the bias-corrected root, not under it, nor before the correction).
+    for eps in (1e-2, 0.3):
+        want_p, _, _ = _reference(p, g, m, v, step=step, **{**SETTINGS, "eps": eps})
+        got = [t.clone().to(device) for t in (p, g, m, v)]
+        adamw_triton.update_(*got, lr=SETTINGS["lr"], beta1=0.9, beta2=0.95, eps=eps, weight_decay=0.1, step=step,
+                             seed=5)
+        torch.testing.assert_close(got[0].cpu(), want_p, rtol=1e-6, atol=1e-7)
+
     # Unbiased: with beta1 = beta2 = 0 the moments are g and g^2, here between two bf16 values.
     value = 1.0 + 2 ** -10
     big = 200_000
@@ -69,17 +77,23 @@ def check_kernel(device: str) -> None:
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert rounded.mean().item() == pytest.approx(value, rel=2e-5)
     assert ones[3].float().cpu().mean().item() == pytest.approx(value ** 2, rel=2e-5)
+    # The two moments draw apart: m (fraction 1/8 above its lower neighbour) rounds up 1 in 8, v (1/4) 1 in 4;
+    # from one draw v would round up wherever m did (1 in 8 both), from two 1 in 32.
+    up_m, up_v = ones[2].float().cpu() > value, ones[3].float().cpu() > value ** 2
+    assert (up_m & up_v).float().mean().item() == pytest.approx(1 / 32, abs=0.005)
 
     # inf and NaN stay what they are; the same seed draws the same bits, another seed others.
-    special = torch.tensor([float("inf"), -float("inf"), float("nan"), -2.5, 0.0], device=device)
-    moments = [torch.zeros(5, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    adamw_triton.update_(torch.zeros(5, device=device), special, *moments, lr=1e-3, beta1=0.0, beta2=0.5, eps=1e-8,
+    # 0x7FFFFFFF is the NaN NVIDIA's units produce: rounding up must not carry it into the sign bit.
+    nvidia_nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    special = torch.cat([torch.tensor([float("inf"), -float("inf"), float("nan"), -2.5, 0.0]), nvidia_nan]).to(device)
+    moments = [torch.zeros(6, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    adamw_triton.update_(torch.zeros(6, device=device), special, *moments, lr=1e-3, beta1=0.0, beta2=0.5, eps=1e-8,
                          weight_decay=0.0, step=1, seed=3)
     # m as torch's lerp gives it (inf - inf * 0 is NaN there too), v = 0.5 g^2: values bf16 holds exactly.
-    want_m, want_v = torch.zeros(5).lerp(special.cpu(), 1.0), 0.5 * special.cpu() ** 2
+    want_m, want_v = torch.zeros(6).lerp(special.cpu(), 1.0), 0.5 * special.cpu() ** 2
     torch.testing.assert_close(moments[0].float().cpu(), want_m, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(moments[1].float().cpu(), want_v, equal_nan=True, rtol=0, atol=0)
-    assert moments[1][0] == float("inf") and moments[1][2].isnan()
+    assert moments[1][0] == float("inf") and moments[1][2].isnan() and moments[0][5].isnan() and moments[1][5].isnan()
 
     def drawn(seed):
         t = [torch.zeros(big, device=device), torch.full((big,), value, device=device),
@@ -90,18 +104,43 @@ def check_kernel(device: str) -> None:
 
     # The probe passes this kernel, and refuses one that does not move the weights or rounds wrongly.
     assert adamw_triton._probe(torch.device(device)) == ""
-    update = adamw_triton.update_
+    update = adamw_triton.update_many_
     try:
-        adamw_triton.update_ = lambda *a, **k: None
+        adamw_triton.update_many_ = lambda *a, **k: None
         assert "moved the weights" in adamw_triton._probe(torch.device(device))
 
-        def off_by_a_step(p, g, m, v, **k):
-            update(p, g, m, v, **k)
-            v.mul_(1.03)
-        adamw_triton.update_ = off_by_a_step
+        def off_by_a_step(tensors, **k):
+            update(tensors, **k)
+            tensors[-1][3].mul_(1.03)
+        adamw_triton.update_many_ = off_by_a_step
         assert "rounded the moments" in adamw_triton._probe(torch.device(device))
     finally:
-        adamw_triton.update_ = update
+        adamw_triton.update_many_ = update
+
+
+def check_many(device: str) -> None:
+    """One launch over many tensors (sizes whole and part blocks, their own steps, fp32 and bf16 grads, an
+    empty one) gives each tensor bit for bit what it gets updated alone."""
+    from minagi import adamw_triton
+    gen = torch.Generator().manual_seed(1)
+    sizes, steps, seeds = [2 * adamw_triton.BLOCK, 7, 0, adamw_triton.BLOCK + 1, 300], [3, 9, 1, 4, 2], [5, 6, 7, 8, 2**62]
+    grads = [torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
+
+    def start():
+        gen.manual_seed(1)
+        return [tuple(t.to(device) for t in (torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(dtype),
+                                                (0.1 * torch.randn(n, generator=gen)).bfloat16(),
+                                                (0.01 * torch.rand(n, generator=gen)).bfloat16()))
+                for n, dtype in zip(sizes, grads)]
+    together, alone = start(), start()
+    settings = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    adamw_triton.update_many_(together, steps=steps, seeds=seeds, **settings)
+    for t, step, seed in zip(alone, steps, seeds):
+        adamw_triton.update_(*t, step=step, seed=seed, **settings)
+    for i, (a, b) in enumerate(zip(together, alone)):
+        for name, x, y in zip(("weight", "grad", "exp_avg", "exp_avg_sq"), a, b):
+            assert torch.equal(x.cpu(), y.cpu()), f"tensor {i}'s {name}"
+        assert sizes[i] == 0 or not torch.equal(a[0].cpu(), start()[i][0].cpu()), f"tensor {i} not moved"
 
 
 def check_optimizer(device: str) -> None:
@@ -115,17 +154,28 @@ def check_optimizer(device: str) -> None:
     fused = [torch.nn.Parameter(w.clone().to(device)) for w in start]
     assert not fused[2].is_contiguous()
     reference, lean = torch.optim.AdamW(ref, **SETTINGS), AdamWBF16(fused, **SETTINGS, fused=True)
-    for _ in range(50):
-        for a, b in zip(ref, fused):
-            g = torch.randn(a.shape).to(device)
-            a.grad, b.grad = g.clone(), g.clone()
-        reference.step()
-        lean.step()
+    from minagi import adamw_triton
+    calls, update = [], adamw_triton.update_many_
+    adamw_triton.update_many_ = lambda ts, **k: (calls.append([t[0].shape for t in ts]), update(ts, **k))[1]
+    try:
+        for _ in range(50):
+            _one_step(ref, fused, reference, lean, device)
+    finally:
+        adamw_triton.update_many_ = update
+    assert calls == [[(40, 30), (7,)]] * 50  # one launch took the contiguous two, every step
     for a, b, w in zip(ref, fused, start):
         moved = (a.detach().cpu() - w).abs().mean()
         assert (a - b).abs().max() < 0.05 * moved and (a - b).abs().mean() < 0.01 * moved
         state = lean.state[b]
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and int(state["step"]) == 50
+
+
+def _one_step(ref, fused, reference, lean, device) -> None:
+    for a, b in zip(ref, fused):
+        g = torch.randn(a.shape).to(device)
+        a.grad, b.grad = g.clone(), g.clone()
+    reference.step()
+    lean.step()
 
 
 def _in_interpreter(check: str) -> None:
@@ -145,10 +195,21 @@ def test_the_fused_optimizer_follows_torchs_adamw_in_the_triton_interpreter():
     _in_interpreter("check_optimizer")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter); CI has no triton")
+def test_one_launch_over_many_tensors_equals_each_alone_in_the_triton_interpreter():
+    _in_interpreter("check_many")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_the_kernel_on_cuda():
     check_kernel("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_one_launch_over_many_tensors_on_cuda():
+    check_many("cuda")
 
 
 @pytest.mark.gpu
@@ -189,3 +250,18 @@ def test_the_foreach_form_runs_where_the_kernel_does_not(monkeypatch):
     assert not AdamWBF16([p]).fuses(torch.device("cuda"))
     with pytest.raises(RuntimeError, match="needs Triton"):
         AdamWBF16([p], fused=True)
+
+
+def test_the_kernel_choice_survives_a_copy_and_a_pickle():
+    """torch's Optimizer pickles only defaults, state and groups; `fused` travels too (None where unpickled from
+    an optimizer that had none)."""
+    import copy
+    import pickle
+    opt = AdamWBF16([torch.nn.Parameter(torch.zeros(3))], fused=False)
+    assert copy.deepcopy(opt).fused is False and pickle.loads(pickle.dumps(opt)).fused is False
+    state = opt.__getstate__()
+    del state["fused"]
+    old = AdamWBF16.__new__(AdamWBF16)
+    old.__setstate__(state)
+    assert old.fused is None and not old.fuses(torch.device("cpu"))
+
