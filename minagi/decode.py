@@ -175,7 +175,7 @@ class Decoder:
         self.text_BW = torch.zeros(B, W, dtype=torch.long, device=device)  # the character at each cache slot
         self.positions_W = torch.arange(W, device=device)
         # The prefill's tables, bit for bit, as rowmath.rope_rolled takes them.
-        self.cos_Wd, self.sin_Wd = rowmath.rolled_tables(*self.model.rows[0].attn.rope(W, device))
+        self.cos_Wd, self.sin_Wd = self.model.rows[0].attn.rolled_rope(W, device)
         # The flat row of (b, k or v, h, position 0) in a cache row's [2*B*H*W, Dh] view.
         first_BH = torch.arange(B * H, device=device).view(B, 1, H) * W
         self.first_B2H = first_BH + torch.tensor([0, B * H * W], device=device)[:, None]

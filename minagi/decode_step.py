@@ -59,9 +59,9 @@ def qkv_step(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_qkv: Tensor, co
              n_heads: int, products: bool = False) -> tuple[Tensor, Tensor]:
     """q [B, H, T, Dh] rotated, and the rotated k with v, [B, 2, H, T, Dh] (one source for the cache
     write). cos_d, sin_d: `rowmath.rolled_tables`, broadcast against [B, H, T, Dh]."""
-    qkv_3BHTd = rowmath.attention_inputs(x_BTD, norm_D, eps, w_qkv, n_heads, products)
-    qk_2BHTd = rowmath.rope_rolled(qkv_3BHTd[:2], cos_d, sin_d)  # q and k rotated together
-    return qk_2BHTd[0], torch.stack([qk_2BHTd[1], qkv_3BHTd[2]], 1)
+    qk_2BHTd, v_BHTd = rowmath.attention_inputs(x_BTD, norm_D, eps, w_qkv, n_heads, products)
+    qk_2BHTd = rowmath.rope_rolled(qk_2BHTd, cos_d, sin_d)  # q and k rotated together
+    return qk_2BHTd[0], torch.stack([qk_2BHTd[1], v_BHTd], 1)
 
 
 def tail_step(x_BTD: Tensor, y_BHTd: Tensor, w_proj: Tensor, norm_D: Tensor, eps: float | None,

@@ -54,6 +54,9 @@ class Attention(nn.Module):
         cos_Td, sin_Td = rowmath.rope_tables(torch.arange(cfg.context, device="cpu"), cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos_Td, persistent=False)
         self.register_buffer("rope_sin", sin_Td, persistent=False)
+        cos_Td2, sin_Td2 = rowmath.rolled_tables(cos_Td, sin_Td)  # as rowmath.rope_rolled takes them
+        self.register_buffer("rope_cos_rolled", cos_Td2, persistent=False)
+        self.register_buffer("rope_sin_rolled", sin_Td2, persistent=False)
 
     def rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin [T, Dh/2] of positions 0..T-1: the tables' rows, or made for positions past the
@@ -61,6 +64,12 @@ class Attention(nn.Module):
         if T <= self.rope_cos.shape[0] and self.rope_cos.dtype == torch.float32:
             return self.rope_cos[:T], self.rope_sin[:T]
         return rowmath.rope_tables(torch.arange(T, device=device), self.head_dim, self.rope_base)
+
+    def rolled_rope(self, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """`rope`'s tables as rowmath.rope_rolled takes them, [T, Dh]: [cos, cos] and [-sin, sin]."""
+        if T <= self.rope_cos_rolled.shape[0] and self.rope_cos_rolled.dtype == torch.float32:
+            return self.rope_cos_rolled[:T], self.rope_sin_rolled[:T]
+        return rowmath.rolled_tables(*self.rope(T, device))
 
 
 class Row(nn.Module):
@@ -107,10 +116,9 @@ class Row(nn.Module):
     def _attention_half(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """x + attention(norm(x)) [B, T, D], and the MLP's input norm(that) [N, D]."""
         attn, T = self.attn, x_BTD.shape[1]
-        q, k, v = rowmath.attention_inputs(x_BTD, self.attn_norm.weight, self.attn_norm.eps, attn.qkv.weight,
-                                           attn.n_heads)  # 3 x [B, H, T, Dh]
-        cos_Td, sin_Td = attn.rope(T, x_BTD.device)
-        q, k = rowmath.apply_rope(q, cos_Td, sin_Td), rowmath.apply_rope(k, cos_Td, sin_Td)
+        qk_2BHTd, v = rowmath.attention_inputs(x_BTD, self.attn_norm.weight, self.attn_norm.eps, attn.qkv.weight,
+                                               attn.n_heads)
+        q, k = rowmath.rope_rolled(qk_2BHTd, *attn.rolled_rope(T, x_BTD.device))  # each [B, H, T, Dh]
         y_BHTd = rowmath.causal_attention(q, k, v, attn.dropout if self.training else 0.0)
         x_BTD = rowmath.attention_residual(x_BTD, y_BHTd, attn.proj.weight, drop=self.resid_drop)
         return x_BTD, rowmath.mlp_input(x_BTD, self.mlp_norm.weight, self.mlp_norm.eps)

@@ -212,12 +212,14 @@ def row_saved(s: _Shape, checkpointed: bool = False) -> dict[str, int]:
     if checkpointed:
         return out
     norm = 4 + (0 if s.fused_norm else 4 * D)  # rstd; the CPU's decomposed norm keeps its normalised output
-    # rstd; the qkv input cast; qkv (kept whole by v, a view); q and k after RoPE; attention's output and
-    # logsumexp; the projection's input (a reshaped copy); dropout's two masks, and on the CPU the math
-    # path's probabilities and their dropout (measured: ~12 bytes per head and key, and ~4 D)
-    out["attention"] = int(N * (norm + c * D + 3 * c * D + 2 * c * D + c * D + 4 * s.H + c * D
+    # rstd; the qkv input cast; qkv (kept whole by v, a view); q and k after RoPE (one tensor); attention's
+    # output and logsumexp (the projection's input is a view of that output: RoPE keeps qkv's layout,
+    # [B, T, H, Dh], which the attention's output takes); dropout's two masks, and on the CPU the math
+    # path's probabilities and their dropout (measured: ~12 bytes per head and key, and ~4 D) and its
+    # output's reshaped copy (the math path writes [B, H, T, Dh])
+    out["attention"] = int(N * (norm + c * D + 3 * c * D + 2 * c * D + c * D + 4 * s.H
                             + (2 * D if s.dropout else 0)
-                            + (12 * s.H * s.T + 4 * D if s.dropout and s.math_attention else 0)
+                            + (12 * s.H * s.T + 4 * D + c * D if s.dropout and s.math_attention else 0)
                             - (COMPILED_SAVING_PER_D * D if s.compiled else 0)))
     out["mlp norm"] = N * (4 * D + norm)
     if not s.pooled:

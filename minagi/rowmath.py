@@ -13,10 +13,10 @@ attention (in place, so outside any compiled piece). Every weight is an argument
 one compiled piece serves every row without a recompile (dynamo guards on a module's identity; on a
 tensor argument's shape, dtype and strides, which every row shares).
 
-RoPE is written twice on purpose, bit for bit the same rotation eagerly: `apply_rope` (the model's,
-q and k apart: training's forward and backward as they were; a compiled kernel may contract the two
-forms' sums into FMAs differently) and `rope_rolled` (the decoder's, q and k in one go, in fewer
-kernels).
+RoPE is written twice, bit for bit the same rotation eagerly, forward and backward: `apply_rope`, the
+readable one (first half, second half; the tests' reference) and `rope_rolled`, the one the model and
+the decoder run (q and k in one go: 9 kernels a row where the two rotations apart took 18 in bf16, and
+about 8 fewer in backward; an eager step on a GPU waits on its launches, docs/benchmarks.md §29).
 
 `products` (the decoder's compiled step of few streams, decode_step.py): a matrix-vector product
 written as products and a sum (`linear`), the attention as `attend_products`. Eagerly that would
@@ -48,7 +48,7 @@ def rope_tables(positions_T: Tensor, head_dim: int, base: float) -> tuple[Tensor
 
 
 def apply_rope(x_BHTd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
-    """The model's rotation of q or k (first half, second half), in fp32, back to x's dtype."""
+    """The rotation of q or k (first half, second half), in fp32, back to x's dtype: the readable form."""
     x1, x2 = x_BHTd.float().chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos_Td - x2 * sin_Td, x1 * sin_Td + x2 * cos_Td), dim=-1)
     return rotated.to(x_BHTd.dtype)
@@ -84,11 +84,13 @@ def product_sums(x_BI: Tensor, w_OI: Tensor) -> Tensor:
 
 
 def attention_inputs(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_qkv: Tensor, n_heads: int,
-                     products: bool = False) -> Tensor:
-    """The attention's inputs before RoPE: norm, qkv, the heads. [3, B, H, T, Dh], a view (q, k, v = it)."""
+                     products: bool = False) -> tuple[Tensor, Tensor]:
+    """The attention's inputs before RoPE: norm, qkv, the heads. (q and k [2, B, H, T, Dh], v [B, H, T, Dh]),
+    views. q and k apart from v, split off qkv's columns: RoPE rotates them in one go, and the backward
+    joins the two gradients with one cat (a slice or select of one [3, ...] view would add zeros and copies)."""
     B, T, D = x_BTD.shape
-    qkv_BT3HD = linear(F.rms_norm(x_BTD, (D,), norm_D, eps), w_qkv, products).view(B, T, 3, n_heads, -1)
-    return qkv_BT3HD.permute(2, 0, 3, 1, 4)
+    qk_BT2D, v_BTD = linear(F.rms_norm(x_BTD, (D,), norm_D, eps), w_qkv, products).split([2 * D, D], -1)
+    return qk_BT2D.view(B, T, 2, n_heads, -1).permute(2, 0, 3, 1, 4), v_BTD.view(B, T, n_heads, -1).transpose(1, 2)
 
 
 def causal_attention(q_BHTd: Tensor, k_BHTd: Tensor, v_BHTd: Tensor, dropout_p: float = 0.0) -> Tensor:

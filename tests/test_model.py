@@ -184,3 +184,29 @@ def test_rope_base_sets_the_rope_tables_within_the_context_and_past_it():
         want_cos, want_sin = rope_tables(torch.arange(T), cfg.head_dim, 500.0)
         assert torch.equal(cos_Td, want_cos) and torch.equal(sin_Td, want_sin)
         assert not torch.allclose(cos_Td, rope_tables(torch.arange(T), cfg.head_dim, 10000.0)[0])
+
+
+def test_the_rolled_rope_the_rows_run_equals_the_readable_rotation_forward_and_backward_bit_for_bit():
+    """The rows rotate q and k together with rowmath.rope_rolled: the same bits as apply_rope, one
+    tensor at a time, in the values and in the gradients (the run's losses stay as they were)."""
+    from minagi import rowmath
+    torch.manual_seed(0)
+    cos, sin = rowmath.rope_tables(torch.arange(40), 16, 10000.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        qk = torch.randn(2, 2, 3, 40, 16).to(dtype).requires_grad_()
+        grad = torch.randn(2, 2, 3, 40, 16).to(dtype)
+        rolled = rowmath.rope_rolled(qk, *rowmath.rolled_tables(cos, sin))
+        (got,) = torch.autograd.grad(rolled, qk, grad)
+        readable = torch.stack([rowmath.apply_rope(qk[i], cos, sin) for i in range(2)])
+        (want,) = torch.autograd.grad(readable, qk, grad)
+        assert torch.equal(rolled, readable) and torch.equal(got, want) and got.dtype == dtype
+
+
+def test_a_rows_attention_inputs_are_qkvs_columns_by_head():
+    from minagi import rowmath
+    torch.manual_seed(0)
+    x, w, norm = torch.randn(2, 5, 8), torch.randn(24, 8), torch.ones(8)
+    qk, v = rowmath.attention_inputs(x, norm, None, w, n_heads=2)
+    heads = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (8,), norm), w).view(2, 5, 3, 2, 4)
+    assert qk.shape == (2, 2, 2, 5, 4) and v.shape == (2, 2, 5, 4)
+    assert torch.equal(qk, heads[:, :, :2].permute(2, 0, 3, 1, 4)) and torch.equal(v, heads[:, :, 2].transpose(1, 2))

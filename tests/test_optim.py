@@ -151,3 +151,19 @@ def test_a_run_with_bf16_states_learns_and_resumes_exactly(tmp_path, data_path, 
     assert cut.losses + rest.losses == full.losses
     assert [r["heldout_loss"] for r in read_history(cut.run_dir / "history.jsonl")] == \
         [r["heldout_loss"] for r in read_history(full.run_dir / "history.jsonl")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_run_with_bf16_states_resumes_as_it_runs_uninterrupted(tmp_path, data_path, monkeypatch):
+    """The fused update's rounding bits come from (seed, step, tensor): a run cut at step 5 and resumed
+    takes the uninterrupted run's steps on the GPU too (first: two uninterrupted runs agree there)."""
+    extra = ("train.device=cuda", "train.optimizer_states=bf16", "train.steps=8", "train.eval_every=4")
+    full = run_tiny(tmp_path, data_path, *extra, run_name="full")
+    again = run_tiny(tmp_path, data_path, *extra, run_name="again")
+    assert again.losses == full.losses
+    with monkeypatch.context() as m:
+        interrupt_at(m, 5)
+        cut = run_tiny(tmp_path, data_path, *extra, run_name="cut")
+    rest = train(*resume_config(cut.run_dir), cut.run_dir, progress=False, log=lambda msg: None, argv=["test"])
+    assert cut.losses + rest.losses == full.losses
