@@ -254,12 +254,13 @@ def test_the_replay_pin_keeps_a_stack_from_its_floor_up(dispatch):
 
 
 def test_a_compiled_row_saves_less_than_an_eager_one():
-    """Inductor recomputes casts and norm outputs: a compiled plan's rows keep ~3.2 D bytes a character less."""
+    """Inductor recomputes casts and norm outputs: a compiled plan's rows keep ~1.2 D bytes a character less
+    than the eager count (3.2 fitted on the H200 when that count held the projection input's bf16 copy)."""
     eager, compiled = (load_config("h200", [f"train.compile={c}"]) for c in ("false", "true"))
     assert plan_memory(compiled).peak_allocated < plan_memory(eager).peak_allocated
     rows = [row_saved(_resolve(cfg, TARGETS["sm90"], 1, 256))["attention"] for cfg in (eager, compiled)]
     s = _resolve(eager, TARGETS["sm90"], 1, 256)
-    assert rows[0] - rows[1] == pytest.approx(3.2 * s.D * s.N, abs=1)
+    assert rows[0] - rows[1] == pytest.approx(1.2 * s.D * s.N, abs=1)
     assert plan_memory(compiled, "cpu").peak_allocated == plan_memory(eager, "cpu").peak_allocated  # not on the CPU
 
 
