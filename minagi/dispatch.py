@@ -140,7 +140,24 @@ class DispatchPlan:
 
 def _positions(expert_R: Tensor, starts_E: Tensor) -> Tensor:
     """Each sorted row's place among its expert's rows: its sorted position minus its expert's first."""
-    return torch.arange(expert_R.shape[0], device=expert_R.device) - starts_E[expert_R]
+    return _arange(expert_R.shape[0], expert_R.device) - starts_E[expert_R]
+
+
+_ARANGES: dict[tuple[int, torch.device], Tensor] = {}  # (n, device) -> arange(n): read, never written
+
+
+def _arange(n: int, device: torch.device) -> Tensor:
+    """0..n-1 (int64) on `device`, made once per size: an eager call launches no kernel for it (a
+    bucketed step is bound by its launches, docs/benchmarks.md section 22). Made afresh where a graph
+    is being recorded (torch.compile, CUDA graph capture), whose memory is its own."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.arange(n, device=device)
+    key = (n, device)
+    if key not in _ARANGES:
+        if len(_ARANGES) >= 32:  # writing's calls change size: keep a few
+            _ARANGES.clear()
+        _ARANGES[key] = torch.arange(n, device=device)
+    return _ARANGES[key]
 
 
 def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, positions: bool = False) -> DispatchPlan:
@@ -150,10 +167,10 @@ def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, position
     flat_R = expert_ids_NK.reshape(-1)
     expert_R, order_R = torch.sort(flat_R, stable=True)  # stable: earlier characters win capacity
     # Expert boundaries in the sorted ids: no host sync (bincount on CUDA syncs to size its output).
-    bounds_E1 = torch.searchsorted(expert_R, torch.arange(n_experts + 1, device=flat_R.device))
+    bounds_E1 = torch.searchsorted(expert_R, _arange(n_experts + 1, flat_R.device))
     starts_E, ends_E, counts_E = bounds_E1[:-1], bounds_E1[1:], bounds_E1.diff()
     inverse_R = torch.empty_like(order_R)
-    inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+    inverse_R[order_R] = _arange(order_R.numel(), order_R.device)
     kept_R = position_R = None
     if capacity > 0 or positions:
         position_R = _positions(expert_R, starts_E)
@@ -191,6 +208,26 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return _take(grad.contiguous(), inverse, ctx.inverse_masked), None, None, None, None
+
+
+class _PlaceRows(torch.autograd.Function):
+    """out[slot[i]] = x[i] for the N*K routed rows x (character order), zero in the slots no row is
+    placed in (padding) [P]: the padded buffer's gates, so that a padding slot's SwiGLU output is zero
+    whatever its input, and no gradient that reaches it goes further. Backward: grad_x = grad[slot]
+    (slot -1: a row dropped by capacity, placed in a spare last slot forward, gets zero)."""
+
+    @staticmethod
+    def forward(ctx, x_R, slot_R, n_slots: int, padding: bool, masked: bool):
+        ctx.save_for_backward(slot_R)
+        ctx.masked = masked
+        out = (x_R.new_zeros if padding or masked else x_R.new_empty)(n_slots + masked, *x_R.shape[1:])
+        out.index_copy_(0, torch.where(slot_R < 0, n_slots, slot_R) if masked else slot_R, x_R)
+        return out[:n_slots] if masked else out
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        (slot_R,) = ctx.saved_tensors
+        return _take(grad_P.contiguous(), slot_R, ctx.masked), None, None, None, None
 
 
 def gather_rows(x: Tensor, index: Tensor, inverse: Tensor, index_masked: bool = False,
@@ -464,13 +501,13 @@ def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Te
     position_R = plan.positions()
     overflows_R = position_R >= card
     dest_R = position_R + base_2E.index_select(0, plan.expert_R + overflows_R * E)
-    if plan.kept_R is not None:
-        dest_R = torch.where(plan.kept_R, dest_R, -1)
-    slot_flat = dest_R.index_select(0, plan.inverse_R)
-    # Each slot's routed row: scattered from the kept rows (dropped ones go to a last, spare slot).
     row_P = torch.full((layout.padded_rows + 1,), -1, dtype=torch.long, device=device)
-    row_P.index_copy_(0, torch.where(dest_R < 0, layout.padded_rows, dest_R), plan.order_R)
-    return slot_flat, row_P[:-1], experts_G
+    if plan.kept_R is None:  # dropless: every routed row has a slot
+        row_P.index_copy_(0, dest_R, plan.order_R)
+        return dest_R.index_select(0, plan.inverse_R), row_P[:-1], experts_G
+    # Each slot's routed row: scattered from the kept rows (dropped ones go to a last, spare slot).
+    row_P.index_copy_(0, torch.where(plan.kept_R, dest_R, layout.padded_rows), plan.order_R)
+    return torch.where(plan.kept_R, dest_R, -1).index_select(0, plan.inverse_R), row_P[:-1], experts_G
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,
@@ -479,7 +516,8 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
 
     The rows of every layer live in one flat padded buffer [P, D]. Characters are gathered straight
     into it and summed straight out of it (no intermediate [R, D] in expert order). Padding slots read
-    character 0 and their outputs are never read back, so they send no gradient.
+    character 0 with gate zero: their output is zero, so the combine's backward may hand them any
+    gradient (character 0's: no mask to make) and none goes back through them.
     """
     P, E = layout.padded_rows, len(layout.kept)
     stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
@@ -487,16 +525,15 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
     slot_flat, row_P, experts_G = _slots(plan, layout, x_ND.device)
     dropped = plan.kept_R is not None
-    token_or_none_P = row_P.div(plan.top_k, rounding_mode="floor")  # padding: -1 (gets no gradient)
     padding = P > sum(layout.kept)
-    x_PD = _DispatchRows.apply(x_ND, token_or_none_P.clamp(min=0) if padding else token_or_none_P, slot_flat,
-                               plan.top_k, dropped)
-    gate_P = gather_rows(gates_NK.reshape(-1), row_P.clamp(min=0) if padding else row_P, slot_flat,
-                         inverse_masked=dropped)
+    token_P = row_P.div(plan.top_k, rounding_mode="floor")  # padding: -1, read as character 0
+    token_P = token_P.clamp(min=0) if padding else token_P
+    x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
+    gate_P = _PlaceRows.apply(gates_NK.reshape(-1), slot_flat, P, padding, dropped)  # padding: 0
     layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))
     h_PF2 = layered_bmm(x_PD, gate_up, layers, experts_G)
     y_PD = layered_bmm(swiglu(h_PF2, gate_P, kernels), down, layers, experts_G)
-    return _CombineRows.apply(y_PD, slot_flat, token_or_none_P, plan.top_k, dropped, padding)
+    return _CombineRows.apply(y_PD, slot_flat, token_P, plan.top_k, dropped, False)
 
 
 def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, kernels: str = "auto", layout: Layout | None = None):

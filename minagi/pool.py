@@ -107,9 +107,11 @@ class PooledMLP(nn.Module):
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
         y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
                                             in_place=in_place, plan=plan)
-        if self.shared is not None:
-            y_ND = y_ND + self.shared(x_ND)[0]
-        return y_ND, MLPAux(aux if aux is not None else self.aux_loss(routing, balance), counts)
+        if self.shared is not None:  # summed in x's dtype, as the routed output always was
+            y_ND = y_ND.to(x_ND.dtype) + self.shared(x_ND)[0]
+        if aux is None:  # the plan's counts are this rank's routed rows per expert: not counted again
+            aux = self.aux_loss(routing, balance, counts.load_E if self.exchange is None else None)
+        return y_ND, MLPAux(aux, counts)
 
     def _route(self, x_ND: Tensor, dropless: bool, balance: BalanceArgs) -> tuple[Routing, DispatchPlan | None, Tensor | None]:
         """(routing, its dispatch plan, the aux loss); plan and aux None where the caller makes them.
@@ -136,36 +138,43 @@ class PooledMLP(nn.Module):
         """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""
         return decode_step.pooled_steps(self, options)
 
-    def aux_loss(self, routing, balance: BalanceArgs = BalanceArgs()) -> Tensor:
-        aux = routing.logits_NE.new_zeros(())
+    def aux_loss(self, routing, balance: BalanceArgs = BalanceArgs(), counts_E: Tensor | None = None) -> Tensor:
+        """The weighted aux terms (a zero without any). `counts_E`: the call's routed rows per expert
+        where the caller has them (the dispatch plan's), so the balance term does not count them again."""
+        terms = []
         if self.cfg.balance_coef > 0:
-            aux = aux + self.cfg.balance_coef * self.balance_term(routing, balance)
+            terms.append(self.cfg.balance_coef * self.balance_term(routing, balance, counts_E))
         if self.cfg.z_loss_coef > 0:
-            aux = aux + self.cfg.z_loss_coef * z_loss(routing)
-        return aux
+            terms.append(self.cfg.z_loss_coef * z_loss(routing))
+        if not terms:
+            return routing.logits_NE.new_zeros(())
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]  # no zero added first: two launches less
 
-    def balance_term(self, routing, balance: BalanceArgs = BalanceArgs()) -> Tensor:
+    def balance_term(self, routing, balance: BalanceArgs = BalanceArgs(), counts_E: Tensor | None = None) -> Tensor:
         """The unweighted Switch term over `pool.balance_scope`: "sequence", each of the call's
         `balance.sequences` sequences' own; "step" with the step's counts given (accumulation: the
-        trainer's routing pre-pass), f from them and P from this call; else this call's counts,
-        summed over ranks (the micro-batch: "batch", and "step" without accumulation)."""
+        trainer's routing pre-pass), f from them and P from this call; else this call's counts
+        (`counts_E` when given, else counted from the routing), summed over ranks (the micro-batch:
+        "batch", and "step" without accumulation)."""
         scope = self.cfg.balance_scope
         if scope == "sequence":
             return sequence_balance_loss(routing, balance.sequences)
         if scope == "step" and balance.step_counts_E is not None:
             return balance_loss(routing, balance.step_counts_E)
         # Counted once per forward: a replay takes the forward's counts (and its reduction over ranks).
-        counts_E = recompute.remember((self, "balance_counts"), lambda: self._balance_counts(routing))
+        counts_E = recompute.remember((self, "balance_counts"), lambda: self._balance_counts(routing, counts_E))
         return balance_loss(routing, counts_E)
 
-    def _balance_counts(self, routing) -> Tensor:
-        counts_E = routed_counts(routing.expert_ids_NK, self.cfg.n_experts)
+    def _balance_counts(self, routing, counts_E: Tensor | None) -> Tensor:
+        """fp32 routed rows per expert [E] (exact: integers below 2^24), summed over ranks by the reducer."""
+        counts_E = routed_counts(routing.expert_ids_NK, self.cfg.n_experts) if counts_E is None else counts_E.float()
         return counts_E if self.count_reducer is None else self.count_reducer(counts_E)
 
     def experts_forward(self, x_ND: Tensor, expert_ids_NK: Tensor, gates_NK: Tensor, path: str | None = None,
                         dropless: bool = False, in_place: bool = False, plan: DispatchPlan | None = None
                         ) -> tuple[Tensor, RouteCounts]:
-        """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D].
+        """Run the routed experts for given routing: dispatch, the path's matmuls, combine. [N, D], in
+        the compute dtype.
         `path`: another dispatch path than the built one (tests and benchmarks compare them). `plan`:
         the routing's dispatch plan, when the caller made it (the compiled route)."""
         path = path or self.path
@@ -180,5 +189,7 @@ class PooledMLP(nn.Module):
         y_ND = RUNNERS[path](x_ND.to(dtype), gates_NK.to(dtype), gate_up, down, plan, stats,
                              kernels=self.cfg.swiglu, layout=layout)
         dropped = (plan.counts_E - plan.capacity).clamp(min=0).sum() if plan.capacity > 0 else None
-        return y_ND.to(x_ND.dtype), RouteCounts(plan.counts_E, dropped, plan.n_chars, stats["padded_rows"], path)
+        # y stays in the compute dtype: the row's residual add promotes it (rowmath.mlp_residual), one
+        # cast's launch less, the same bits.
+        return y_ND, RouteCounts(plan.counts_E, dropped, plan.n_chars, stats["padded_rows"], path)
 

@@ -129,7 +129,7 @@ def mlp_residual(x_BTD: Tensor, y_ND: Tensor, drop: Callable[[Tensor], Tensor] |
     (The caller runs the MLP between `mlp_input` and this, from its own frame: a graph break inside
     the pool's forward then splits a compiled model where it always did.)"""
     y_BTD = y_ND.view(x_BTD.shape)
-    return x_BTD + (y_BTD if drop is None else drop(y_BTD))
+    return x_BTD + (y_BTD if drop is None else drop(y_BTD.to(x_BTD.dtype)))  # dropout scales in x's dtype
 
 
 def head(x_BTD: Tensor, norm_D: Tensor, eps: float | None, w_head: Tensor, products: bool = False) -> Tensor:

@@ -55,7 +55,9 @@ def test_every_module_imports_and_trains_where_windows_lacks_posix_modules(tmp_p
     """Windows (the Radeon 8060S's ROCm) has no `resource`, `fcntl`, ...: hidden, every minagi module
     imports, and a short run trains (its history records the resident memory)."""
     hide = "; ".join(f"sys.modules[{name!r}] = None" for name in POSIX_ONLY)
-    script = (f"import sys; {hide}\n"
+    # The standard library's own modules take their POSIX branch on this machine (shutil imports
+    # posix where os.name is "posix"): imported first, as Windows imports them on its branch.
+    script = (f"import sys, shutil, tempfile; {hide}\n"
               "import importlib, importlib.util, pkgutil, minagi\n"
               "triton = importlib.util.find_spec('triton') is not None\n"
               "for m in pkgutil.iter_modules(minagi.__path__):\n"
