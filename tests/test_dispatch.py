@@ -245,6 +245,24 @@ def test_uncapped_drops_nothing():
     assert counts.dropped is None and counts.load_E.tolist() == counts_list(ids)
 
 
+def test_the_plans_aranges_are_made_once_a_size_and_never_written():
+    """make_plan keeps its aranges between calls (a launch each saved): a training step's forward and
+    backward leave them as made, and a second call with the same routing makes the same plan."""
+    dispatch._ARANGES.clear()
+    pool = make_pool()
+    n_chars, bias = SCENARIOS["sink"]
+    ids, gates = routing(n_chars, bias)
+    x = torch.randn(n_chars, D, requires_grad=True)
+    first = make_plan(ids, E)
+    y, _ = pool.experts_forward(x, ids, gates.requires_grad_(), path="grouped")
+    y.square().sum().backward()
+    assert {n for n, _ in dispatch._ARANGES} == {E + 1, n_chars * ids.shape[1]}
+    assert all(torch.equal(a, torch.arange(n)) for (n, _), a in dispatch._ARANGES.items())
+    again = make_plan(ids, E)
+    assert all(torch.equal(a, b) for a, b in zip(first.tensors()[:7], again.tensors()[:7]))
+    assert torch.equal(first.positions(), again.positions())
+
+
 def test_the_rectangle_pads_every_expert_to_the_busiest():
     pool = make_pool()
     n_chars, bias = SCENARIOS["sink"]
