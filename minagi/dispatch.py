@@ -257,20 +257,20 @@ class _DispatchRows(torch.autograd.Function):
 class _CombineRows(torch.autograd.Function):
     """out[n] = sum_k y[slot_NK[n, k]] (slot -1: dropped, contributes zero).
 
-    Backward hands each row its character's gradient: grad_y[i] = grad[token_I[i]] (token -1:
-    a padding row, gets zero).
+    Backward hands each row its character's gradient: grad_y[i] = grad[token_I[i]]. Every row names a
+    character: a padded path's padding rows name character 0 and have gate zero (`run_padded`), so
+    what they are handed goes no further.
     """
 
     @staticmethod
-    def forward(ctx, y_ID, slot_flat, token_I, top_k: int, slot_masked: bool, token_masked: bool):
+    def forward(ctx, y_ID, slot_flat, token_I, top_k: int, slot_masked: bool):
         ctx.save_for_backward(token_I)
-        ctx.token_masked = token_masked
         return gather_sum(y_ID, slot_flat, top_k, slot_masked)
 
     @staticmethod
     def backward(ctx, grad_ND):
         (token_I,) = ctx.saved_tensors
-        return _take(grad_ND.contiguous(), token_I, ctx.token_masked), None, None, None, None, None
+        return grad_ND.contiguous().index_select(0, token_I), None, None, None, None
 
 
 def host_to_device(values: list[int], device: torch.device) -> Tensor:
@@ -289,7 +289,7 @@ def combine(y_RD: Tensor, plan: DispatchPlan) -> Tensor:
 
     A gather and a sum over K (no index_add), so the result is deterministic.
     """
-    return _CombineRows.apply(y_RD, plan.inverse_R, plan.token_R, plan.top_k, False, False)
+    return _CombineRows.apply(y_RD, plan.inverse_R, plan.token_R, plan.top_k, False)
 
 
 def sorted_gates(gates_NK: Tensor, plan: DispatchPlan) -> Tensor:
@@ -533,7 +533,7 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))
     h_PF2 = layered_bmm(x_PD, gate_up, layers, experts_G)
     y_PD = layered_bmm(swiglu(h_PF2, gate_P, kernels), down, layers, experts_G)
-    return _CombineRows.apply(y_PD, slot_flat, token_P, plan.top_k, dropped, False)
+    return _CombineRows.apply(y_PD, slot_flat, token_P, plan.top_k, dropped)
 
 
 def run_grouped(x_ND, gates_NK, gate_up, down, plan, stats, kernels: str = "auto", layout: Layout | None = None):
