@@ -160,12 +160,23 @@ def _arange(n: int, device: torch.device) -> Tensor:
     return _ARANGES[key]
 
 
+def sort_key_dtype(n_experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding ids 0..n_experts-1. On an H100 a stable sort of 32,768 ids
+    launched 22 kernels as int64, 11 as int16, 9 as uint8 (docs/benchmarks.md section 31)."""
+    if n_experts <= 256:
+        return torch.uint8
+    return torch.int16 if n_experts <= 2**15 else torch.int32 if n_experts <= 2**31 else torch.int64
+
+
 def make_plan(expert_ids_NK: Tensor, n_experts: int, capacity: int = 0, positions: bool = False) -> DispatchPlan:
     """The plan of one call. `positions`: make each sorted row's place among its expert's rows too
     (the padded paths' slots need it; made here when the plan is compiled with the router)."""
     n_chars, top_k = expert_ids_NK.shape
     flat_R = expert_ids_NK.reshape(-1)
-    expert_R, order_R = torch.sort(flat_R, stable=True)  # stable: earlier characters win capacity
+    # Sorted on the narrowest key that holds every id (a radix sort's passes follow its bits), stable:
+    # earlier characters win capacity.
+    key_R, order_R = torch.sort(flat_R.to(sort_key_dtype(n_experts)), stable=True)
+    expert_R = key_R.long()
     # Expert boundaries in the sorted ids: no host sync (bincount on CUDA syncs to size its output).
     bounds_E1 = torch.searchsorted(expert_R, _arange(n_experts + 1, flat_R.device))
     starts_E, ends_E, counts_E = bounds_E1[:-1], bounds_E1[1:], bounds_E1.diff()
@@ -493,21 +504,43 @@ def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Te
     capacity; row_P: the flat routed row (n*K + k) each padded slot holds [P], -1 for padding;
     experts_G: the overflow groups' experts in order). A routed row at position p among its expert e's
     rows sits at e*card + p in the card layer, or at e's overflow start + p - card. No host sync: the
-    layout is on the host, and its per-expert table goes to the device in one copy."""
+    layout is on the host, and its tables go to the device in one copy."""
     overflow_start, grouped = _overflow_starts(layout)
+    row_P = torch.full((layout.padded_rows + 1,), -1, dtype=torch.long, device=device)
+    if plan.kept_R is None:  # dropless: every routed row has a slot, found by its run (`_runs`)
+        bounds, offsets = _runs(layout, overflow_start)
+        bounds_S1, offset_S, experts_G = host_to_device(bounds + offsets + grouped, device).split(
+            [len(bounds), len(offsets), len(grouped)])
+        sorted_R = _arange(plan.order_R.shape[0], device)
+        dest_R = sorted_R + offset_S.index_select(0, torch.searchsorted(bounds_S1, sorted_R, right=True))
+        row_P.index_copy_(0, dest_R, plan.order_R)
+        return dest_R.index_select(0, plan.inverse_R), row_P[:-1], experts_G
     E, card = len(layout.kept), layout.card
     base_2E, experts_G = host_to_device([e * card for e in range(E)] + [s - card for s in overflow_start] + grouped,
                                         device).split([2 * E, len(grouped)])
     position_R = plan.positions()
-    overflows_R = position_R >= card
-    dest_R = position_R + base_2E.index_select(0, plan.expert_R + overflows_R * E)
-    row_P = torch.full((layout.padded_rows + 1,), -1, dtype=torch.long, device=device)
-    if plan.kept_R is None:  # dropless: every routed row has a slot
-        row_P.index_copy_(0, dest_R, plan.order_R)
-        return dest_R.index_select(0, plan.inverse_R), row_P[:-1], experts_G
+    dest_R = position_R + base_2E.index_select(0, plan.expert_R + (position_R >= card) * E)
     # Each slot's routed row: scattered from the kept rows (dropped ones go to a last, spare slot).
     row_P.index_copy_(0, torch.where(plan.kept_R, dest_R, layout.padded_rows), plan.order_R)
     return torch.where(plan.kept_R, dest_R, -1).index_select(0, plan.inverse_R), row_P[:-1], experts_G
+
+
+def _runs(layout: Layout, overflow_start: list[int]) -> tuple[list[int], list[int]]:
+    """Dropless rows in expert order as runs that each move into the padded buffer by one offset:
+    expert e's first min(n_e, card) rows go to its card slots, the rest to its overflow slots.
+    (The first sorted row of every run but the first, each run's offset = slot - sorted row), so a
+    sorted row r's slot is r + offset[number of those firsts <= r]: three launches where positions
+    and a per-expert table took seven. An empty run starts where the next one does, which the count
+    passes over."""
+    firsts, offsets, start = [], [], 0
+    for e, n in enumerate(layout.kept):
+        firsts.append(start)
+        offsets.append(e * layout.card - start)
+        if n > layout.card:
+            firsts.append(start + layout.card)
+            offsets.append(overflow_start[e] - layout.card - start)
+        start += n
+    return firsts[1:], offsets
 
 
 def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, plan: DispatchPlan,

@@ -147,9 +147,11 @@ class _LayeredBmm(torch.autograd.Function):
                                    None if w_GIO is None else w_GIO.transpose(1, 2), layers, w_EIO.shape[1])
         xs, grads = _layer_views(x_PI, layers), _layer_views(grad_PO, layers)
         grad_w = torch.bmm(xs[0].transpose(1, 2), grads[0]) if layers.card else torch.zeros_like(w_EIO)
-        if layers.groups:
-            grad_w.index_add_(0, experts_G, torch.cat([torch.bmm(x.transpose(1, 2), g)
-                                                       for x, g in zip(xs[1:], grads[1:])]))
+        if layers.groups:  # each group's product written into its rows of one buffer: no cat
+            grad_GIO = w_EIO.new_empty(experts_G.shape[0], *w_EIO.shape[1:])
+            for x, g, out in zip(xs[1:], grads[1:], grad_GIO.split([n for n, _ in layers.groups])):
+                torch.bmm(x.transpose(1, 2), g, out=out)
+            grad_w.index_add_(0, experts_G, grad_GIO)
         return grad_x, grad_w, None, None
 
 

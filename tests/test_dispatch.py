@@ -263,6 +263,22 @@ def test_the_plans_aranges_are_made_once_a_size_and_never_written():
     assert torch.equal(first.positions(), again.positions())
 
 
+@pytest.mark.parametrize("n_experts, key", [(8, torch.uint8), (256, torch.uint8), (257, torch.int16),
+                                             (2**15, torch.int16), (2**15 + 1, torch.int32)])
+def test_the_plan_sorts_on_a_narrow_key_in_the_order_of_a_stable_int64_sort(n_experts, key):
+    """The sort key is the narrowest dtype holding every id (fewer radix passes); ties keep character
+    order as a stable int64 sort does, ids at the top of the key's range included."""
+    assert dispatch.sort_key_dtype(n_experts) == key
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, n_experts, (257, 4), generator=g)
+    ids[::3, 0] = n_experts - 1  # the largest id, and many ties
+    plan = make_plan(ids, n_experts)
+    expert_R, order_R = torch.sort(ids.reshape(-1), stable=True)
+    assert plan.expert_R.dtype == torch.int64
+    assert torch.equal(plan.expert_R, expert_R) and torch.equal(plan.order_R, order_R)
+    assert torch.equal(plan.counts_E, torch.bincount(ids.reshape(-1), minlength=n_experts))
+
+
 def test_the_rectangle_pads_every_expert_to_the_busiest():
     pool = make_pool()
     n_chars, bias = SCENARIOS["sink"]
