@@ -501,28 +501,28 @@ def _overflow_starts(layout: Layout) -> tuple[list[int], list[int]]:
 
 def _slots(plan: DispatchPlan, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """(slot_flat: the padded slot of each routed row [N*K] in character order, -1 when dropped by
-    capacity; row_P: the flat routed row (n*K + k) each padded slot holds [P], -1 for padding;
+    capacity; token_P: the character each padded slot reads [P], 0 for padding (its gate is zero);
     experts_G: the overflow groups' experts in order). A routed row at position p among its expert e's
     rows sits at e*card + p in the card layer, or at e's overflow start + p - card. No host sync: the
     layout is on the host, and its tables go to the device in one copy."""
     overflow_start, grouped = _overflow_starts(layout)
-    row_P = torch.full((layout.padded_rows + 1,), -1, dtype=torch.long, device=device)
+    token_P = torch.zeros(layout.padded_rows + 1, dtype=torch.long, device=device)  # the last: dropped rows
     if plan.kept_R is None:  # dropless: every routed row has a slot, found by its run (`_runs`)
         bounds, offsets = _runs(layout, overflow_start)
         bounds_S1, offset_S, experts_G = host_to_device(bounds + offsets + grouped, device).split(
             [len(bounds), len(offsets), len(grouped)])
         sorted_R = _arange(plan.order_R.shape[0], device)
         dest_R = sorted_R + offset_S.index_select(0, torch.searchsorted(bounds_S1, sorted_R, right=True))
-        row_P.index_copy_(0, dest_R, plan.order_R)
-        return dest_R.index_select(0, plan.inverse_R), row_P[:-1], experts_G
+        token_P.index_copy_(0, dest_R, plan.token_R)
+        return dest_R.index_select(0, plan.inverse_R), token_P[:-1], experts_G
     E, card = len(layout.kept), layout.card
     base_2E, experts_G = host_to_device([e * card for e in range(E)] + [s - card for s in overflow_start] + grouped,
                                         device).split([2 * E, len(grouped)])
     position_R = plan.positions()
     dest_R = position_R + base_2E.index_select(0, plan.expert_R + (position_R >= card) * E)
-    # Each slot's routed row: scattered from the kept rows (dropped ones go to a last, spare slot).
-    row_P.index_copy_(0, torch.where(plan.kept_R, dest_R, layout.padded_rows), plan.order_R)
-    return torch.where(plan.kept_R, dest_R, -1).index_select(0, plan.inverse_R), row_P[:-1], experts_G
+    # Each slot's character: scattered from the kept rows (dropped ones go to a last, spare slot).
+    token_P.index_copy_(0, torch.where(plan.kept_R, dest_R, layout.padded_rows), plan.token_R)
+    return torch.where(plan.kept_R, dest_R, -1).index_select(0, plan.inverse_R), token_P[:-1], experts_G
 
 
 def _runs(layout: Layout, overflow_start: list[int]) -> tuple[list[int], list[int]]:
@@ -556,11 +556,9 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
     if sum(layout.kept) == 0:  # every row dropped or no rows at all
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
-    slot_flat, row_P, experts_G = _slots(plan, layout, x_ND.device)
+    slot_flat, token_P, experts_G = _slots(plan, layout, x_ND.device)  # padding reads character 0
     dropped = plan.kept_R is not None
     padding = P > sum(layout.kept)
-    token_P = row_P.div(plan.top_k, rounding_mode="floor")  # padding: -1, read as character 0
-    token_P = token_P.clamp(min=0) if padding else token_P
     x_PD = _DispatchRows.apply(x_ND, token_P, slot_flat, plan.top_k, dropped)
     gate_P = _PlaceRows.apply(gates_NK.reshape(-1), slot_flat, P, padding, dropped)  # padding: 0
     layers = Layers(E, layout.card, tuple((len(m), cap) for cap, m in layout.groups))

@@ -164,7 +164,9 @@ class PooledMLP(nn.Module):
             return balance_loss(routing, balance.step_counts_E)
         # Counted once per forward: a replay takes the forward's counts (and its reduction over ranks).
         counts_E = recompute.remember((self, "balance_counts"), lambda: self._balance_counts(routing, counts_E))
-        return balance_loss(routing, counts_E)
+        # This call's own counts sum to its routed rows, N*K (dropped ones included); summed over ranks, unknown here.
+        own = self.count_reducer is None
+        return balance_loss(routing, counts_E, routing.expert_ids_NK.numel() if own else None)
 
     def _balance_counts(self, routing, counts_E: Tensor | None) -> Tensor:
         """fp32 routed rows per expert [E] (exact: integers below 2^24), summed over ranks by the reducer."""

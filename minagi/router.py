@@ -130,15 +130,20 @@ def routed_counts(expert_ids_NK: Tensor, n_experts: int) -> Tensor:
     return torch.zeros(n_experts, device=flat.device).index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
 
 
-def balance_loss(routing: Routing, counts_E: Tensor) -> Tensor:
+def balance_loss(routing: Routing, counts_E: Tensor, total: int | None = None) -> Tensor:
     """Switch's `E * sum_i f_i * P_i` (unweighted): f_i the fraction of routed rows in `counts_E`
     (this rank's or the job's), P_i the mean of `routing.probs_NE` (the softmax; with sigmoid scores,
-    the normalised scores, as DeepSeek-V3's balance loss: the same term for either score)."""
-    n_experts = routing.probs_NE.shape[-1]
-    if routing.probs_NE.shape[0] == 0:
+    the normalised scores, as DeepSeek-V3's balance loss: the same term for either score).
+    `total`: the sum of `counts_E` where the host knows it (the call's own rows: N*K), else summed
+    here. Formed as counts . column sums / (N * total): three launches where f and P apart took seven
+    (the host-bound bucketed step pays each)."""
+    n_chars, n_experts = routing.probs_NE.shape
+    if n_chars == 0:
         return routing.probs_NE.new_zeros(())
-    f_E = counts_E / counts_E.sum().clamp(min=1)
-    return n_experts * (f_E * routing.probs_NE.mean(0)).sum()
+    weighted = torch.dot(counts_E, routing.probs_NE.sum(0))
+    if total is None:
+        return weighted * (n_experts / n_chars) / counts_E.sum().clamp(min=1)
+    return weighted * (n_experts / (n_chars * max(total, 1)))
 
 
 def sequence_balance_loss(routing: Routing, sequences: int) -> Tensor:

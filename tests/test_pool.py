@@ -54,6 +54,23 @@ def test_balance_loss_is_e_times_sum_of_load_fraction_times_mean_probability():
     torch.testing.assert_close(balance_loss(r, counts), expected)
 
 
+def test_balance_loss_with_the_counts_total_given_equals_it_summed_on_the_device_with_gradients():
+    routing = sink_router_pool().router(torch.randn(64, D))
+    counts = routed_counts(routing.expert_ids_NK, E)
+    terms, grads = [], []
+    for total in (None, 64 * K):
+        probs = routing.probs_NE.detach().requires_grad_(True)
+        r = routing._replace(probs_NE=probs)
+        term = balance_loss(r, counts, total)
+        term.backward()
+        expected = E * ((counts / (64 * K)) * probs.detach().mean(0)).sum()
+        torch.testing.assert_close(term.detach(), expected)
+        terms.append(term.detach())
+        grads.append(probs.grad)
+    torch.testing.assert_close(terms[0], terms[1])
+    torch.testing.assert_close(grads[0], grads[1])  # d/dP_ne = E * counts_e / (N * total)
+
+
 def test_balance_term_uses_reduced_counts_when_a_reducer_is_set():
     x = torch.randn(64, D).abs()
     pool = sink_router_pool()
