@@ -140,7 +140,7 @@ def balance_loss(routing: Routing, counts_E: Tensor, total: int | None = None) -
     n_chars, n_experts = routing.probs_NE.shape
     if n_chars == 0:
         return routing.probs_NE.new_zeros(())
-    weighted = torch.dot(counts_E, routing.probs_NE.sum(0))
+    weighted = torch.dot(counts_E.to(routing.probs_NE.dtype), routing.probs_NE.sum(0))  # no copy when fp32
     if total is None:
         return weighted * (n_experts / n_chars) / counts_E.sum().clamp(min=1)
     return weighted * (n_experts / (n_chars * max(total, 1)))

@@ -69,6 +69,7 @@ def test_balance_loss_with_the_counts_total_given_equals_it_summed_on_the_device
         grads.append(probs.grad)
     torch.testing.assert_close(terms[0], terms[1])
     torch.testing.assert_close(grads[0], grads[1])  # d/dP_ne = E * counts_e / (N * total)
+    torch.testing.assert_close(balance_loss(routing, counts.long(), 64 * K), terms[1])  # integer counts (the plan's)
 
 
 def test_balance_term_uses_reduced_counts_when_a_reducer_is_set():
