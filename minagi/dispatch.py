@@ -379,6 +379,11 @@ GATHER_ROWS = 256
 # padded rows: the launches and their latency, at the scale of a consumer card's rows per 50 us.
 GROUP_ROWS = 512
 MAX_GROUPS = 4  # overflow groups of one call at most (each adds its launches, forward and backward)
+# A bmm shape new to the process costs the host its kernel's choice: ~0.4 ms on average on an H100's
+# host (some 3-5 ms), against ~25 us for a launch (docs/benchmarks.md section 33), and an overflow
+# group's shapes change with the loads. So a group's capacity goes up to a power of two where that pads
+# the group by at most SHAPE_ROWS rows: the small groups, whose capacities vary most, repeat their shapes.
+SHAPE_ROWS = 512
 
 
 def round_capacity(n: int) -> int:
@@ -426,11 +431,21 @@ class Layout:
         return len(self.kept) * self.card + sum(cap * len(members) for cap, members in self.groups)
 
 
-def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group_rows: int = GROUP_ROWS) -> Layout:
+def group_capacity(overflow: int, experts: int, shape_rows: int = SHAPE_ROWS) -> int:
+    """An overflow group's capacity for its largest `overflow` over `experts` experts: `round_capacity`,
+    or the power of two above it where that adds at most `shape_rows` padded rows to the group."""
+    rounded = round_capacity(overflow)
+    wide = 1 << (rounded - 1).bit_length() if rounded > 0 else 0
+    return wide if experts * (wide - rounded) <= shape_rows else rounded
+
+
+def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group_rows: int = GROUP_ROWS,
+                   shape_rows: int = SHAPE_ROWS) -> Layout:
     """The layout that costs least — padded rows, plus `gather_rows` for each overflow expert and
     `group_rows` for each overflow group: the card capacity from the rounded loads (and none), judged
     with each overflow expert at its own rounded overflow; then the chosen card's overflow in groups,
-    split where a split saves more rows than a group costs (at most MAX_GROUPS groups).
+    split where a split saves more rows than a group costs (at most MAX_GROUPS groups), each group at
+    `group_capacity` (`shape_rows`: the padding a power of two may add to repeat a shape).
     `gather_rows` None: no card layer (a stack that makes only the experts it is asked for: frozen)."""
     kept = [int(n) for n in kept]
     loads = np.asarray(kept, dtype=np.int64)
@@ -447,8 +462,8 @@ def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group
     order = np.flatnonzero(over_E > 0)
     order = order[np.argsort(-over_E[order], kind="stable")].tolist()  # largest overflow first, ties by expert
     groups = _split_overflow([kept[e] - card for e in order], group_rows)
-    return Layout(tuple(kept), card, tuple((round_capacity(kept[order[lo]] - card), tuple(sorted(order[lo:hi])))
-                                           for lo, hi in groups))
+    return Layout(tuple(kept), card, tuple((group_capacity(kept[order[lo]] - card, hi - lo, shape_rows),
+                                            tuple(sorted(order[lo:hi]))) for lo, hi in groups))
 
 
 def _split_overflow(over: list[int], group_rows: int, most: int = MAX_GROUPS) -> list[tuple[int, int]]:

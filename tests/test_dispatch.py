@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minagi import dispatch
-from minagi.dispatch import (GROUPED_MM, MAX_GROUPS, Layout, host_layout, layered_layout, make_plan, resolve_dispatch,
+from minagi.dispatch import (GROUPED_MM, MAX_GROUPS, SHAPE_ROWS, Layout, host_layout, layered_layout, make_plan, resolve_dispatch,
                              round_capacity, run_padded)
 from minagi.pool import PooledMLP
 from minagi.swiglu import swiglu_eager
@@ -74,7 +74,18 @@ def test_capacities_round_to_powers_of_two_then_eight_steps_a_power_of_two():
     assert _round_capacities(n).tolist() == [round_capacity(int(v)) for v in n]
 
 
-def reference_layout(kept, gather_rows, group_rows):
+def test_a_small_overflow_group_takes_a_power_of_two_and_a_large_one_its_rounded_capacity():
+    from minagi.dispatch import group_capacity
+    assert group_capacity(100, 2) == 128            # 2 x (128 - 104) = 48 padded rows more: within SHAPE_ROWS
+    assert group_capacity(100, 30) == 104           # 30 x 24 = 720 more: not
+    assert group_capacity(5000, 1) == 5120          # 8192 would pad 3,072 rows
+    assert group_capacity(9, 3) == 16 and group_capacity(0, 1) == 0
+    assert group_capacity(100, 2, shape_rows=0) == round_capacity(100)
+    layout = layered_layout([20] * 60 + [150, 140, 9000, 30])  # two busy experts and a sink past the card
+    assert {cap for cap, _ in layout.groups} <= {1 << b for b in range(15)} | {round_capacity(9000 - layout.card)}
+
+
+def reference_layout(kept, gather_rows, group_rows, shape_rows=SHAPE_ROWS):
     """`layered_layout`'s rule written plainly, one candidate and one split at a time: (card, groups)."""
     E = len(kept)
     cards = sorted({0} | ({round_capacity(n) for n in kept if n > 0} if gather_rows is not None else set()))
@@ -97,7 +108,11 @@ def reference_layout(kept, gather_rows, group_rows):
             break
         i, k = split
         groups[i:i + 1] = [(groups[i][0], k), (k, groups[i][1])]
-    return card, tuple((caps[lo], tuple(sorted(order[lo:hi]))) for lo, hi in groups)
+    settled = []
+    for lo, hi in groups:  # a power of two where it pads the group by at most shape_rows rows
+        wide = 1 << (caps[lo] - 1).bit_length()
+        settled.append((wide if (hi - lo) * (wide - caps[lo]) <= shape_rows else caps[lo], tuple(sorted(order[lo:hi]))))
+    return card, tuple(settled)
 
 
 def test_the_layout_is_the_plainly_written_rule_on_random_loads_with_ties():
@@ -107,9 +122,10 @@ def test_the_layout_is_the_plainly_written_rule_on_random_loads_with_ties():
         values = torch.tensor([0, 1, 5, 16, 17, 100, 129, 500, 1000, 1024, 15000])
         kept = (values[torch.randint(0, len(values), (E,), generator=g)] if case % 2 else
                 torch.randint(0, 3000, (E,), generator=g) * (torch.rand(E, generator=g) < 0.8)).tolist()
-        for gather_rows, group_rows in ((256, 512), (None, 512), (0, 0), (16, 64)):
-            layout = layered_layout(kept, gather_rows, group_rows)
-            assert (layout.card, layout.groups) == reference_layout(kept, gather_rows, group_rows), (kept, gather_rows)
+        for gather_rows, group_rows, shape_rows in ((256, 512, 512), (None, 512, 512), (0, 0, 0), (16, 64, 4096)):
+            layout = layered_layout(kept, gather_rows, group_rows, shape_rows)
+            assert (layout.card, layout.groups) == reference_layout(kept, gather_rows, group_rows, shape_rows), (
+                kept, gather_rows)
 
 
 def test_the_layout_keeps_a_sink_out_of_the_card_and_everything_in_it_when_loads_are_even():
