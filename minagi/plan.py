@@ -119,6 +119,7 @@ class _Shape:
     z_loss: bool
     expert_dropout: bool
     compiled: bool
+    softmax_gates: bool = False  # gates as the softmax of the chosen logits (router.route): the logits kept
 
     @property
     def R(self) -> int:
@@ -145,7 +146,8 @@ def _resolve(cfg: Config, target: Target, world_size: int, vocab_size: int) -> _
                   fused_norm=target.fused_norm, math_attention=not target.gpu, frozen=x.frozen, quant=x.quant,
                   lora=x.lora_rank,
                   torch_dequant=not target.kernels, pad=pad, dropout=m.dropout > 0, z_loss=p.z_loss_coef > 0,
-                  expert_dropout=p.expert_dropout > 0, compiled=tc.compile and target.gpu and tc.compile_backend == "inductor")
+                  expert_dropout=p.expert_dropout > 0, compiled=tc.compile and target.gpu and tc.compile_backend == "inductor",
+                  softmax_gates=p.router_score == "softmax" and p.top_k > 1)
 
 
 def _eager_swiglu(setting: str, target: Target, c: int) -> bool:
@@ -228,8 +230,11 @@ def row_saved(s: _Shape, checkpointed: bool = False) -> dict[str, int]:
         Hd = s.dense_width
         out["dense MLP"] = N * ((c if s.autocast else 4) * D + 4 * c * Hd)
         return out
-    out["router"] = N * (4 * D + 4 * s.E + (12 * s.K + 4 if s.K > 1 else 8 * s.K)
-                         + (4 * s.E + 4 if s.z_loss else 0) + (5 * s.K if s.expert_dropout else 0))
+    # Its input and scores; the chosen ids and the gates' tensors (softmax gates: the chosen logits' softmax
+    # and the logits the gather keeps; renormalised scores: their division's numerator and sum); z-loss.
+    gates = 12 * s.K + 4 * s.E if s.softmax_gates else (12 * s.K + 4 if s.K > 1 else 8 * s.K)
+    z_loss = (4 if s.softmax_gates else 4 * s.E + 4) if s.z_loss else 0  # logsumexp keeps the logits (once)
+    out["router"] = N * (4 * D + 4 * s.E + gates + z_loss + (5 * s.K if s.expert_dropout else 0))
     out["dispatch index"] = s.R * 16
     per_row = _expert_row_bytes(s)
     out["experts"] = s.R * per_row

@@ -99,13 +99,18 @@ def route(logits_NE: Tensor, score: str, bias_E: Tensor | None, top_k: int, *,
     """The routing rule, from fp32 logits [N, E]: (expert ids [N, K], gates [N, K], scores [N, E]).
 
     The top_k of the scores plus the selection bias (`choose_experts`); gates are the unbiased scores
-    of the chosen experts (`chosen_gates`). `top_k_fn(selection_NE, k) -> ids`: how the top k are taken
+    of the chosen experts (`chosen_gates`; with softmax scores formed from the chosen logits, the same
+    values to rounding). `top_k_fn(selection_NE, k) -> ids`: how the top k are taken
     (default `topk`; the decoder's compiled step takes rounds of argmax). `memo(choose) -> ids`: where
     the choice is kept (the router's checkpoint-replay memo); the choice never records a graph.
     """
     scores_NE = expert_scores(logits_NE, score)
     choose = lambda: choose_experts(scores_NE.detach(), bias_E, top_k, top_k_fn)  # noqa: E731
     expert_ids_NK = choose() if memo is None else memo(choose)
+    if score == "softmax" and top_k > 1:
+        # The renormalised softmax of the chosen is the softmax of their logits: two launches where the
+        # gather, sum and division took three, and backward 3 where it took 9 (docs/benchmarks.md §33).
+        return expert_ids_NK, logits_NE.gather(-1, expert_ids_NK).softmax(-1), scores_NE
     return expert_ids_NK, chosen_gates(scores_NE, expert_ids_NK), scores_NE
 
 

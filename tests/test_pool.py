@@ -131,6 +131,21 @@ def test_gates_are_renormalised_over_the_chosen_experts():
     assert r.expert_ids_NK.unique(dim=-1).shape == r.expert_ids_NK.shape  # no repeated expert per character
 
 
+def test_softmax_gates_are_the_chosen_probabilities_renormalised_in_value_and_gradient():
+    from minagi.router import chosen_gates, route
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(200, 16, generator=g)).requires_grad_(True)
+    bias = torch.randn(16, generator=g)
+    weight = torch.randn(200, 4, generator=g)
+    for bias_E in (None, bias):
+        ids, gates, probs = route(logits, "softmax", bias_E, 4)
+        by_hand = chosen_gates(logits.softmax(-1), ids)  # gather, then divide by the chosen ones' sum
+        torch.testing.assert_close(gates, by_hand, atol=1e-6, rtol=1e-6)
+        grad, = torch.autograd.grad((gates * weight).sum() + probs[:, 0].sum(), logits)
+        want, = torch.autograd.grad((by_hand * weight).sum() + logits.softmax(-1)[:, 0].sum(), logits)
+        torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5)
+
+
 def test_counts_find_an_injected_sink_and_its_ratio():
     torch.manual_seed(0)
     n_experts = 32  # the seed case: 94% of characters on one of many experts
