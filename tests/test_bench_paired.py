@@ -46,3 +46,20 @@ def test_graphs_compiled_during_the_rounds_are_reported(capsys):
     torch._dynamo.reset()
     err = capsys.readouterr().err
     assert err.startswith("bench_paired: 2 graph(s) compiled during the timed rounds") and err.count("\n") == 1
+
+
+def test_a_variant_at_a_revision_trains_with_that_revisions_code_beside_this_one(tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    args = ["--device", "cpu", "--profile", "cpu_tiny", "--rounds", "1", "--block", "1", "--warmup", "1",
+            "--json", str(out), "--variant", "", "--variant", "@HEAD pool.dispatch=loop"]
+    assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
+    first, second = json.loads(out.read_text())["results"]
+    assert second["variant"] == "@HEAD pool.dispatch=loop" and len(second["times_ms"]) == 1
+    assert "minagi_HEAD.trainer" in sys.modules and "minagi_HEAD.config" in sys.modules  # the revision's own package
+    assert sys.modules["minagi_HEAD.trainer"].train_step is not bench_paired.train_step
+
+
+def test_an_unknown_revision_is_one_line_and_exit_2(capsys):
+    assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--variant", "@no-such-revision"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_paired: @no-such-revision: git archive failed") and err.count("\n") == 1

@@ -4,6 +4,8 @@
         --variant "train.compile=rows" --variant "train.compile=rows train.compile_mode=reduce-overhead" \
         --variant "train.compile=false"
     python tools/bench_paired.py --device cpu --profile cpu_tiny --variant "" --variant "train.compile=rows" --rounds 2
+    python tools/bench_paired.py --profile strix_large --set pool.dispatch=grouped --set train.compile=false \
+        --variant "@3cccc1c" --variant "pool.swiglu=eager"     # an earlier commit's code against this one's
 
 Where the host sets a step's pace (the bucketed path on a fast GPU), its speed drifts by ±25% within one
 device call (docs/benchmarks.md §22): figures from processes run one after another do not resolve a
@@ -11,13 +13,22 @@ device call (docs/benchmarks.md §22): figures from processes run one after anot
 round runs `--block` steps of every variant (the order rotating), so a slow spell of the host falls on
 all of them. Printed per variant: the median step and char/s over the rounds, their range, and the
 median over rounds of the first variant's block time over this one's (the paired speed).
+
+A variant whose first word is `@REV` (a commit, tag or branch of this repository) trains with that
+revision's code: `git archive REV minagi profiles` is unpacked into a temporary folder with the package
+renamed `minagi_<rev>` (its custom ops too), so old and new code train in one process.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,14 +40,43 @@ from minagi.trainer import build_training, train_step
 VOCAB = 96
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+class RevisionError(Exception):
+    pass
+
+
+def revision_package(rev: str, into: Path):
+    """(load_config, build_training, train_step) of revision `rev`'s code, unpacked under `into` with its
+    package renamed minagi_<rev>."""
+    name = "minagi_" + re.sub(r"\W", "_", rev)
+    tree = into / name
+    if not tree.exists():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "minagi", "profiles"], capture_output=True)
+        if archive.returncode:
+            shutil.rmtree(tree)
+            reason = (archive.stderr.decode().strip().splitlines() or ["no reason given"])[-1]
+            raise RevisionError(f"@{rev}: git archive failed: {reason}")
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        (tree / "minagi").rename(tree / name)
+        for path in (tree / name).rglob("*.py"):
+            path.write_text(re.sub(r"\bminagi\b", name, path.read_text()))
+        shutil.copytree(tree / "profiles", tree / name / "profiles")  # found beside the package or in it
+        sys.path.insert(0, str(tree))
+    config, trainer = importlib.import_module(f"{name}.config"), importlib.import_module(f"{name}.trainer")
+    return config.load_config, trainer.build_training, trainer.train_step
+
+
 class Variant:
     """One variant's training, its random characters and its block times (ms a step)."""
 
-    def __init__(self, name: str, profile: str, sets: list[str], device: torch.device):
+    def __init__(self, name: str, profile: str, sets: list[str], device: torch.device, code=None):
         self.name = name
-        self.cfg = load_config(profile, [f"train.device={device.type}", "train.steps=100000", "train.warmup_steps=1",
-                                         *sets])
-        self.training = build_training(self.cfg, VOCAB, device, 1)
+        load, build, self.train_step = code or (load_config, build_training, train_step)
+        self.cfg = load(profile, [f"train.device={device.type}", "train.steps=100000", "train.warmup_steps=1", *sets])
+        self.training = build(self.cfg, VOCAB, device, 1)
         self.device, self.step, self.times = device, 0, []
         self.shape = (self.cfg.train.accum_steps * self.cfg.train.batch_size, self.cfg.model.context)
         self.generator = torch.Generator(device=device).manual_seed(0)
@@ -44,8 +84,8 @@ class Variant:
     def run(self, steps: int) -> None:
         for _ in range(steps):
             x, y = (torch.randint(0, VOCAB, self.shape, device=self.device, generator=self.generator) for _ in range(2))
-            train_step(self.training, x, y, step=self.step, grad_clip=self.cfg.train.grad_clip, world_size=1,
-                       device=self.device)
+            self.train_step(self.training, x, y, step=self.step, grad_clip=self.cfg.train.grad_clip, world_size=1,
+                            device=self.device)
             self.training.updating = False
             self.step += 1
 
@@ -89,9 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", required=True)
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="for every variant")
-    ap.add_argument("--variant", action="append", required=True, metavar='"SECTION.KEY=VALUE ..."',
-                    help="one variant's settings, space-separated (\"\" for the profile as it is); the first is the "
-                         "one the others are paired against")
+    ap.add_argument("--variant", action="append", required=True, metavar='"[@REV] SECTION.KEY=VALUE ..."',
+                    help="one variant's settings, space-separated (\"\" for the profile as it is), after @REV to "
+                         "train with that revision's code; the first is the one the others are paired against")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block", type=int, default=5, help="steps of a variant in a row, each round")
     ap.add_argument("--warmup", type=int, default=10, help="steps of each variant before the rounds (compiles)")
@@ -99,11 +139,24 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    try:
-        variants = [Variant(v or "(as the profile)", args.profile, [*args.sets, *v.split()], device) for v in args.variant]
-    except ConfigError as e:
-        print(f"bench_paired: {e}", file=sys.stderr)
-        return 2
+    with tempfile.TemporaryDirectory(prefix="bench_paired_") as trees:
+        try:
+            variants = [make_variant(v, args, device, Path(trees)) for v in args.variant]
+        except Exception as e:
+            if not isinstance(e, (ConfigError, RevisionError)) and type(e).__name__ != "ConfigError":  # a revision's own
+                raise
+            print(f"bench_paired: {e}", file=sys.stderr)
+            return 2
+        return report(variants, args, device)
+
+
+def make_variant(spec: str, args, device: torch.device, trees: Path) -> Variant:
+    words = spec.split()
+    code = revision_package(words.pop(0)[1:], trees) if words and words[0].startswith("@") else None
+    return Variant(spec or "(as the profile)", args.profile, [*args.sets, *words], device, code)
+
+
+def report(variants: list[Variant], args, device: torch.device) -> int:
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "profile": args.profile, "sets": args.sets, "rounds": args.rounds, "block": args.block}
     print(json.dumps(meta), flush=True)
