@@ -8,7 +8,8 @@ Every path computes the same function; they differ only in how rows are padded:
   grouped   — a card layer: every expert at one capacity C, the whole stack multiplied at once (no
               weight gather); and overflow groups for the rows past C of busier experts (a sink),
               their weights gathered. C is chosen per call, on the host, to cost least in padded rows
-              plus gathered experts (`layered_layout`); capacities are rounded by `round_capacity`.
+              plus gathered experts (`layered_layout`); capacities are rounded by `round_capacity`
+              (an overflow group's perhaps up to a power of two: `group_capacity`).
   rectangle — every expert padded to the busiest one's load (the old path; a card layer alone).
 
 Weights come from the pool's expert stack (minagi/experts.py): tensors, or frozen stacks' rebuilt
@@ -382,7 +383,8 @@ MAX_GROUPS = 4  # overflow groups of one call at most (each adds its launches, f
 # A bmm shape new to the process costs the host its kernel's choice: ~0.4 ms on average on an H100's
 # host (some 3-5 ms), against ~25 us for a launch (docs/benchmarks.md section 33), and an overflow
 # group's shapes change with the loads. So a group's capacity goes up to a power of two where that pads
-# the group by at most SHAPE_ROWS rows: the small groups, whose capacities vary most, repeat their shapes.
+# the group by at most SHAPE_ROWS rows: the small groups, whose capacities vary most, repeat their shapes
+# (a group's bmm shape is its experts and its capacity: the capacity is the part that varied most).
 SHAPE_ROWS = 512
 
 
@@ -461,14 +463,20 @@ def layered_layout(kept: list[int], gather_rows: int | None = GATHER_ROWS, group
     over_E = loads - card
     order = np.flatnonzero(over_E > 0)
     order = order[np.argsort(-over_E[order], kind="stable")].tolist()  # largest overflow first, ties by expert
-    groups = _split_overflow([kept[e] - card for e in order], group_rows)
-    return Layout(tuple(kept), card, tuple((group_capacity(kept[order[lo]] - card, hi - lo, shape_rows),
-                                            tuple(sorted(order[lo:hi]))) for lo, hi in groups))
+    groups = []  # (capacity, experts): a group widened to the capacity of the one before joins it
+    for lo, hi in _split_overflow([kept[e] - card for e in order], group_rows):
+        capacity = group_capacity(kept[order[lo]] - card, hi - lo, shape_rows)
+        if groups and groups[-1][0] == capacity:
+            groups[-1] = (capacity, groups[-1][1] + order[lo:hi])
+        else:
+            groups.append((capacity, order[lo:hi]))
+    return Layout(tuple(kept), card, tuple((capacity, tuple(sorted(members))) for capacity, members in groups))
 
 
 def _split_overflow(over: list[int], group_rows: int, most: int = MAX_GROUPS) -> list[tuple[int, int]]:
-    """Contiguous groups [lo, hi) of overflows sorted largest first, each padded to its first one's
-    rounded overflow: split greedily where a split saves more padded rows than a group costs."""
+    """Contiguous groups [lo, hi) of overflows sorted largest first, each costed at its first one's
+    rounded overflow: split greedily where a split saves more padded rows than a group costs (the
+    capacities the groups then take are `group_capacity`'s)."""
     if not over:
         return []
     caps = _round_capacities(np.asarray(over))

@@ -12,9 +12,10 @@ against (docs/benchmarks.md §15):
   gradients too under DDP (its buckets keep them) and during accumulation's later micro-batches;
 - saved for backward, per character and row: the residual stream's input (fp32), the norms' rstd (and on
   the CPU their normalised output), the compute-dtype casts and qkv/rope/attention outputs, the
-  router's input and probabilities, and per routed row the experts' input, SwiGLU input, activation
-  (and the eager SwiGLU's two products): `row_saved`. Per row besides: the bf16 casts of its weights
-  (autocast's cache, the expert stacks' casts); none for frozen stacks (they are dequantized at each use);
+  router's input and probabilities (softmax top-k > 1, eager: its logits too), and per routed row the
+  experts' input, SwiGLU input, activation (and the eager SwiGLU's two products): `row_saved`. Per row
+  besides: the bf16 casts of its weights (autocast's cache, the expert stacks' casts); none for frozen
+  stacks (they are dequantized at each use);
   and the head's weight cast, kept until the head's backward (`head_copy`);
 - row checkpointing keeps only each row's input and recomputes one row at a time in backward (the
   replay), with the replay pin's dequantized stacks kept until that row's backward;
@@ -232,8 +233,10 @@ def row_saved(s: _Shape, checkpointed: bool = False) -> dict[str, int]:
         return out
     # Its input and scores; the chosen ids and the gates' tensors (softmax gates: the chosen logits' softmax
     # and the logits the gather keeps; renormalised scores: their division's numerator and sum); z-loss.
-    gates = 12 * s.K + 4 * s.E if s.softmax_gates else (12 * s.K + 4 if s.K > 1 else 8 * s.K)
-    z_loss = (4 if s.softmax_gates else 4 * s.E + 4) if s.z_loss else 0  # logsumexp keeps the logits (once)
+    # (A compiled router keeps the gather's shape only: no logits.)
+    logits_kept = s.softmax_gates and not s.compiled
+    gates = 12 * s.K + (4 * s.E if logits_kept else 0) if s.softmax_gates else (12 * s.K + 4 if s.K > 1 else 8 * s.K)
+    z_loss = (4 if logits_kept else 4 * s.E + 4) if s.z_loss else 0  # logsumexp keeps the logits (once)
     out["router"] = N * (4 * D + 4 * s.E + gates + z_loss + (5 * s.K if s.expert_dropout else 0))
     out["dispatch index"] = s.R * 16
     per_row = _expert_row_bytes(s)

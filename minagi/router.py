@@ -3,8 +3,9 @@
 Shape legend: N characters, D model width, E experts, K top_k.
 
 The router scores E experts per character in fp32 and keeps the top_k. Gates are renormalised over
-the chosen experts when top_k > 1; top-1 keeps the raw score, as Switch does (a renormalised
-single gate is exactly 1, and the router would learn from the aux terms alone). With the aux-free
+the chosen experts when top_k > 1 (with softmax scores, as the softmax of the chosen logits); top-1
+keeps the raw score, as Switch does (a renormalised single gate is exactly 1, and the router would
+learn from the aux terms alone). With the aux-free
 bias (DeepSeek-V3), a selection-only bias is added to the scores that choose the experts; the gates
 use the unbiased scores. The bias moves only when the trainer calls `step_bias` with a
 training step's loads: a forward changes nothing.

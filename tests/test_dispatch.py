@@ -81,6 +81,8 @@ def test_a_small_overflow_group_takes_a_power_of_two_and_a_large_one_its_rounded
     assert group_capacity(5000, 1) == 5120          # 8192 would pad 3,072 rows
     assert group_capacity(9, 3) == 16 and group_capacity(0, 1) == 0
     assert group_capacity(100, 2, shape_rows=0) == round_capacity(100)
+    merged = layered_layout([1031, 76, 667, 16, 346, 1653, 1653, 1791])  # a widened group meets the one before
+    assert merged.groups == ((1792, (5, 6, 7)), (1024, (0, 2)), (512, (1, 4)))
     layout = layered_layout([20] * 60 + [150, 140, 9000, 30])  # two busy experts and a sink past the card
     assert {cap for cap, _ in layout.groups} <= {1 << b for b in range(15)} | {round_capacity(9000 - layout.card)}
 
@@ -111,8 +113,12 @@ def reference_layout(kept, gather_rows, group_rows, shape_rows=SHAPE_ROWS):
     settled = []
     for lo, hi in groups:  # a power of two where it pads the group by at most shape_rows rows
         wide = 1 << (caps[lo] - 1).bit_length()
-        settled.append((wide if (hi - lo) * (wide - caps[lo]) <= shape_rows else caps[lo], tuple(sorted(order[lo:hi]))))
-    return card, tuple(settled)
+        cap = wide if (hi - lo) * (wide - caps[lo]) <= shape_rows else caps[lo]
+        if settled and settled[-1][0] == cap:  # widened to the group before's capacity: one group
+            settled[-1] = (cap, settled[-1][1] + order[lo:hi])
+        else:
+            settled.append((cap, order[lo:hi]))
+    return card, tuple((cap, tuple(sorted(members))) for cap, members in settled)
 
 
 def test_the_layout_is_the_plainly_written_rule_on_random_loads_with_ties():
@@ -126,6 +132,8 @@ def test_the_layout_is_the_plainly_written_rule_on_random_loads_with_ties():
             layout = layered_layout(kept, gather_rows, group_rows, shape_rows)
             assert (layout.card, layout.groups) == reference_layout(kept, gather_rows, group_rows, shape_rows), (
                 kept, gather_rows)
+            capacities = [cap for cap, _ in layout.groups]
+            assert capacities == sorted(set(capacities), reverse=True), kept  # distinct, largest first
 
 
 def test_the_layout_keeps_a_sink_out_of_the_card_and_everything_in_it_when_loads_are_even():

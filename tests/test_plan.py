@@ -163,6 +163,7 @@ def _saved_bytes(cfg, dtype: torch.dtype) -> int:
     ("bf16", ["pool.dispatch=native"]), ("fp32", ["pool.dispatch=native"]), ("bf16", ["pool.dispatch=loop"]),
     ("bf16", ["pool.dispatch=native", "pool.top_k=1", "pool.z_loss_coef=0.001", "pool.expert_dropout=0.1"]),
     ("bf16", ["pool.dispatch=native", "pool.z_loss_coef=0.001"]),  # the gates' gather and logsumexp keep one logits
+    ("bf16", ["pool.dispatch=native", "pool.router_score=sigmoid"]),
     ("bf16", ["pool.dispatch=native", "model.dropout=0.1"]), ("bf16", ["model.mlp=dense"]),
     ("bf16", ["pool.dispatch=native", "experts.frozen=true", "experts.lora_rank=8", "experts.blocksize=32"]),
     ("bf16", ["pool.dispatch=native", "experts.frozen=true", "experts.blocksize=32"])])
