@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .config import ExpertsConfig
-from .dispatch import GATHER_ROWS
+from .layout import GATHER_ROWS
 from .frozen import FrozenExpertStack
 from .offload import OffloadStager
 from .recompute import PinPolicy

@@ -22,7 +22,7 @@ against (docs/benchmarks.md §15):
 - the step is walked phase by phase (forward, then each row's backward from the last, the optimizer),
   with the transients of each matmul's backward (`_Tape`); the peak is the largest sum met;
 - padded dispatch paths (grouped, rectangle) compute padded rows: modelled with one sink expert at
-  `pool.sink_ratio` x its fair share and the others even (dispatch.layered_layout's layout for it);
+  `pool.sink_ratio` x its fair share and the others even (layout.layered_layout's layout for it);
 - compiled (train.compile) rows save ~3.2 D bytes a character less (inductor recomputes casts and norm
   outputs: fitted to the h200 profile's 37.6 GiB eager against 36.0 compiled);
 - the allocator's slack over the allocated peak: ~2% with expandable segments, ~15% without (measured).
@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass, field
 
 from .config import Config
-from .dispatch import PACKED, layered_layout
+from .dispatch import PACKED
+from .layout import layered_layout
 
 __all__ = ["TARGETS", "MemoryPlan", "Part", "Target", "gib", "plan_memory", "row_saved", "weight_counts"]
 
@@ -231,12 +232,15 @@ def row_saved(s: _Shape, checkpointed: bool = False) -> dict[str, int]:
         Hd = s.dense_width
         out["dense MLP"] = N * ((c if s.autocast else 4) * D + 4 * c * Hd)
         return out
-    # Its input and scores; the chosen ids and the gates' tensors (softmax gates: the chosen logits' softmax
-    # and the logits the gather keeps; renormalised scores: their division's numerator and sum); z-loss.
-    # (A compiled router keeps the gather's shape only: no logits.)
+    # Its input and scores, the chosen ids [8K], and the gates' own: softmax gates keep their softmax [4K]
+    # and, eager, the logits their gather read [4E] (compiled: its shape only); renormalised scores their
+    # division's numerator and sum [4K + 4]; top-1 nothing more. z-loss: the logits (if not kept) and its result.
     logits_kept = s.softmax_gates and not s.compiled
-    gates = 12 * s.K + (4 * s.E if logits_kept else 0) if s.softmax_gates else (12 * s.K + 4 if s.K > 1 else 8 * s.K)
-    z_loss = (4 if logits_kept else 4 * s.E + 4) if s.z_loss else 0  # logsumexp keeps the logits (once)
+    if s.K == 1:
+        gates = 8 * s.K
+    else:
+        gates = 12 * s.K + (4 * s.E if logits_kept else 0 if s.softmax_gates else 4)
+    z_loss = (4 if logits_kept else 4 * s.E + 4) if s.z_loss else 0
     out["router"] = N * (4 * D + 4 * s.E + gates + z_loss + (5 * s.K if s.expert_dropout else 0))
     out["dispatch index"] = s.R * 16
     per_row = _expert_row_bytes(s)

@@ -130,7 +130,7 @@ class PooledMLP(nn.Module):
     def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None):
         """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None)."""
         routing = self.router(x_ND)
-        # Positions only where capacity marks drops: dropless slots come from runs (dispatch._runs).
+        # Positions only where capacity marks drops: dropless slots come from runs (layout.layout_runs).
         plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in PADDED and capacity > 0)
         aux = self.aux_loss(routing, balance) if balance is not None else None
         return tuple(routing), plan.tensors(), aux

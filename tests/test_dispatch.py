@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from minagi import dispatch
-from minagi.dispatch import (GROUPED_MM, MAX_GROUPS, SHAPE_ROWS, Layout, host_layout, layered_layout, make_plan, resolve_dispatch,
-                             round_capacity, run_padded)
+from minagi.dispatch import GROUPED_MM, host_layout, make_plan, resolve_dispatch, run_padded
+from minagi.layout import MAX_GROUPS, SHAPE_ROWS, Layout, layered_layout, round_capacity
 from minagi.pool import PooledMLP
 from minagi.swiglu import swiglu_eager
 from tiny import new_pool
@@ -69,13 +69,13 @@ def assert_same(a, b, atol=1e-5):
 def test_capacities_round_to_powers_of_two_then_eight_steps_a_power_of_two():
     got = [round_capacity(n) for n in (0, 1, 3, 16, 17, 100, 128, 129, 910, 1000, 1025)]
     assert got == [0, 1, 4, 16, 18, 104, 128, 144, 960, 1024, 1152]
-    from minagi.dispatch import _round_capacities
+    from minagi.layout import _round_capacities
     n = torch.randint(0, 5000, (500,)).numpy()
     assert _round_capacities(n).tolist() == [round_capacity(int(v)) for v in n]
 
 
 def test_a_small_overflow_group_takes_a_power_of_two_and_a_large_one_its_rounded_capacity():
-    from minagi.dispatch import group_capacity
+    from minagi.layout import group_capacity
     assert group_capacity(100, 2) == 128            # 2 x (128 - 104) = 48 padded rows more: within SHAPE_ROWS
     assert group_capacity(100, 30) == 104           # 30 x 24 = 720 more: not
     assert group_capacity(5000, 1) == 5120          # 8192 would pad 3,072 rows

@@ -134,7 +134,7 @@ def bytes_per_routed_row(path: str, load: list[int], D: int, F: int, elem: int, 
     row (the input gathered in, h [2F] written, the down GEMM reading [F], the output [D] written and
     summed out: backward about twice the forward's traffic; the SwiGLU as `SWIGLU_ELEMENTS` counts
     for the implementation `swiglu` that ran). None for the loop reference."""
-    from minagi.dispatch import Layout, layered_layout
+    from minagi.layout import Layout, layered_layout
     E, card_bytes = len(load), len(load) * 3 * D * F * elem
     routed = sum(load)
     if path == "loop" or routed == 0:
