@@ -33,7 +33,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["AdamWBF16", "build_optimizer", "state_bytes"]
+__all__ = ["AdamWBF16", "build_optimizer", "clips_in_update", "state_bytes", "step_divided"]
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 CHUNK = 1 << 24  # weights updated together: temporaries of at most ~20 x 16M bytes = 320 MiB
@@ -51,6 +51,28 @@ def build_optimizer(param_groups: list[dict], *, lr: float, betas: tuple[float, 
     if states == "bf16":
         return AdamWBF16(param_groups, lr=lr, betas=betas, seed=seed)
     raise ValueError(f"train.optimizer_states must be fp32 or bf16; got {states!r}")
+
+
+def clips_in_update(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` can divide the gradients as its update reads them: torch's AdamW, fused
+    (its `grad_scale`, which torch's GradScaler sets to unscale fp16 gradients, divides every gradient
+    inside the update's one pass). Clipping there saves a pass over every gradient (read and written:
+    8 bytes a weight) that clip_grad_norm_'s multiply makes."""
+    return type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def step_divided(optimizer: torch.optim.Optimizer, divisor: Tensor | None) -> None:
+    """optimizer.step() with every gradient divided by `divisor` (a 0-d fp32 tensor on the gradients'
+    device; None: as they are) inside the fused update (`clips_in_update`). The attribute is the one
+    torch's GradScaler sets around a step, and it is gone again after this one."""
+    if divisor is None:
+        optimizer.step()
+        return
+    optimizer.grad_scale = divisor
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -101,11 +101,11 @@ class PooledMLP(nn.Module):
         must not depend on which others share the call). `in_place`: offloaded frozen stacks read the
         experts this call multiplies from their pinned homes instead of staging the row (writing).
         `balance`: what the balance term's scope needs (`balance_term`)."""
-        routing, plan, aux = self._route(x_ND, dropless, balance)
+        routing, plan, aux, experts_in_ND = self._route(x_ND, dropless, balance)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
-        y_ND, counts = self.experts_forward(x_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
+        y_ND, counts = self.experts_forward(experts_in_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
                                             in_place=in_place, plan=plan)
         if self.shared is not None:  # summed in x's dtype, as the routed output always was
             y_ND = y_ND.to(x_ND.dtype) + self.shared(x_ND)[0]
@@ -113,27 +113,41 @@ class PooledMLP(nn.Module):
             aux = self.aux_loss(routing, balance, counts.load_E if self.exchange is None else None)
         return y_ND, MLPAux(aux, counts)
 
-    def _route(self, x_ND: Tensor, dropless: bool, balance: BalanceArgs) -> tuple[Routing, DispatchPlan | None, Tensor | None]:
-        """(routing, its dispatch plan, the aux loss); plan and aux None where the caller makes them.
-        Compiled in training calls of a row that is not checkpointed (a replay must take the forward's
-        choice from the row's memo) and whose experts are all here; the aux loss compiled with it when
-        no count crosses ranks (DDP sums the balance counts: a collective stays out of the graph)."""
+    def _route(self, x_ND: Tensor, dropless: bool, balance: BalanceArgs
+               ) -> tuple[Routing, DispatchPlan | None, Tensor | None, Tensor]:
+        """(routing, its dispatch plan, the aux loss, the experts' input); plan and aux None where the
+        caller makes them. Compiled in training calls of a row that is not checkpointed (a replay must
+        take the forward's choice from the row's memo) and whose experts are all here; the aux loss
+        compiled with it when no count crosses ranks (DDP sums the balance counts: a collective stays out
+        of the graph). Compiled, the experts' input and the gates come out in the compute dtype (their
+        casts fused into the graph, forward and backward), and the scores and logits stay inside when
+        the aux loss does (an output nobody reads still gets a zero gradient made for it in backward)."""
         compiled = (self._compiled_route is not None and torch.is_grad_enabled() and self.exchange is None
                     and recompute.active_memo() is None)
         if not compiled:
-            return self.router(x_ND), None, None
+            return self.router(x_ND), None, None, x_ND
         with_aux = self.count_reducer is None
         capacity = self.capacity(x_ND.shape[0], dropless)
-        routing, plan, aux = self._compiled_route(x_ND, capacity, balance if with_aux else None)
-        return Routing(*routing), DispatchPlan.from_tensors(plan, capacity, x_ND.shape[0], self.cfg.top_k), aux
+        dtype = compute_dtype(x_ND)
+        # Gates cast before a dropout would round twice: cast after it, eagerly, as without the compile.
+        cast_gates = not (self.training and self.cfg.expert_dropout > 0)
+        routing, plan, aux, experts_in_ND = self._compiled_route(
+            x_ND, capacity, balance if with_aux else None, dtype if dtype != x_ND.dtype else None, cast_gates)
+        return (Routing(*routing), DispatchPlan.from_tensors(plan, capacity, x_ND.shape[0], self.cfg.top_k), aux,
+                x_ND if experts_in_ND is None else experts_in_ND)
 
-    def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None):
-        """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None)."""
+    def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None, dtype: torch.dtype | None,
+                        cast_gates: bool):
+        """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None, x in
+        `dtype` or None where it is x's own). With the aux loss made here the routing's scores and
+        logits are None (read by nobody after it); gates in `dtype` where `cast_gates`."""
         routing = self.router(x_ND)
         # Positions only where capacity marks drops: dropless slots come from runs (layout.layout_runs).
         plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in PADDED and capacity > 0)
         aux = self.aux_loss(routing, balance) if balance is not None else None
-        return tuple(routing), plan.tensors(), aux
+        gates_NK = routing.gates_NK.to(dtype) if dtype is not None and cast_gates else routing.gates_NK
+        kept = (routing.expert_ids_NK, gates_NK) + ((None, None) if aux is not None else tuple(routing[2:]))
+        return kept, plan.tensors(), aux, None if dtype is None else x_ND.to(dtype)
 
     def decoder(self, options: decode_step.StepOptions):
         """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""

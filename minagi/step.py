@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import devices, distributed
+from . import devices, distributed, optim
 from .assemble import Training
 from .diagnostics import StepCounts, reduce_over_ranks, step_counts
 from .recompute import clear_stale_slots
@@ -75,7 +75,7 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
         loss_aux, micro_counts = _micro_batch(training, x_j, y_j, step, micro, step_counts_LE)
         losses.append(loss_aux)
         counts = _add_counts(counts, micro_counts)
-    norm = _grad_norm(training, grad_clip)
+    norm, divisor = _grad_norm(training, grad_clip)
     stats = torch.cat([torch.stack(losses).mean(0), norm.detach().float().view(1)])
     if meanwhile is not None:
         meanwhile()
@@ -88,7 +88,7 @@ def train_step(training: Training, x: Tensor, y: Tensor, *, step: int, grad_clip
     if overflow:
         _check_loss_scale(training, step)
     lr = training.optimizer.param_groups[0]["lr"]
-    _update(training, counts, skip=overflow)
+    _update(training, counts, skip=overflow, divisor=divisor)
     return StepStats(ce, aux, gnorm, lr, counts, overflow)
 
 
@@ -148,11 +148,18 @@ def _add_counts(total: StepCounts | None, more: StepCounts | None) -> StepCounts
                       [a + b for a, b in zip(total.padded, more.padded)], more.paths)
 
 
-def _grad_norm(training: Training, grad_clip: float) -> Tensor:
-    """The step's gradient norm before clipping (fp16: of the unscaled gradients), clipped to `grad_clip`."""
+def _grad_norm(training: Training, grad_clip: float) -> tuple[Tensor, Tensor | None]:
+    """The step's gradient norm before clipping (fp16: of the unscaled gradients), and what the update
+    divides the gradients by to clip them to `grad_clip` (None: clipped here already, or no clip).
+    torch's fused AdamW clips inside its update (`optim.clips_in_update`): one pass over the gradients
+    less. The divisor is clip_grad_norm_'s factor inverted: max(1, (norm + 1e-6) / grad_clip)."""
     if training.scaler is not None:
         training.scaler.unscale_(training.optimizer)
-    return training.parallel.clip_grads(training.params, grad_clip)  # the whole model's, however it is split
+    if (grad_clip > 0 and training.scaler is None and not training.parallel.sharded
+            and optim.clips_in_update(training.optimizer)):
+        norm = training.parallel.clip_grads(training.params, 0.0)  # the norm alone
+        return norm, ((norm + 1e-6) / grad_clip).clamp(min=1.0)
+    return training.parallel.clip_grads(training.params, grad_clip), None  # the whole model's, however it is split
 
 
 def _check_loss_scale(training: Training, step: int) -> None:
@@ -163,12 +170,13 @@ def _check_loss_scale(training: Training, step: int) -> None:
                                  "(a NaN or inf, not fp16's range); stopped before updating", step + 1)
 
 
-def _update(training: Training, counts: StepCounts | None, skip: bool) -> None:
+def _update(training: Training, counts: StepCounts | None, skip: bool, divisor: Tensor | None = None) -> None:
     """The optimizer, loss scale, schedule and aux-free bias steps; `skip` (fp16 overflow): no update and
-    no bias step, the loss scale lowered, the schedule and the step count go on (the step's data is spent)."""
+    no bias step, the loss scale lowered, the schedule and the step count go on (the step's data is spent).
+    `divisor`: the clip the update makes (`_grad_norm`)."""
     training.updating = True
     if not skip:
-        training.optimizer.step()
+        optim.step_divided(training.optimizer, divisor)
     if training.scaler is not None:
         training.scaler.update()  # lowers the scale after an overflow (its unscale_ saw the inf), else may raise it
     with warnings.catch_warnings():

@@ -177,8 +177,9 @@ def test_train_py_refuses_cuda_graphs_with_micro_batches_before_the_run_folder_i
 @pytest.mark.parametrize("sets", [["pool.dispatch=grouped"], ["model.mlp=dense"],
                                   ["pool.dispatch=grouped", "pool.capacity_factor=1.0", "model.dropout=0.0"],
                                   ["pool.dispatch=grouped", "pool.balance_scope=sequence", "pool.z_loss_coef=0.001"],
-                                  ["pool.dispatch=rectangle", "pool.aux_free_bias=true"]],
-                         ids=["pooled", "dense", "capacity", "sequence-scope-z-loss", "rectangle-aux-free"])
+                                  ["pool.dispatch=rectangle", "pool.aux_free_bias=true"],
+                                  ["pool.dispatch=grouped", "train.precision=bf16"]],
+                         ids=["pooled", "dense", "capacity", "sequence-scope-z-loss", "rectangle-aux-free", "bf16"])
 def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(sets, monkeypatch):
     """The attention half, and the router with its aux terms and dispatch plan (or the dense MLP)."""
     from minagi import pool
@@ -207,6 +208,33 @@ def test_rows_compiled_by_region_compute_what_the_eager_step_does_on_the_cpu(set
     assert graphs == 2 and not counters["graph_break"] and not eager_plans
     torch._dynamo.reset()
     assert first == compiled[:1] and compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_the_compiled_route_hands_the_experts_their_inputs_cast_and_keeps_the_unread_scores_in(monkeypatch):
+    """bf16 autocast (on the CPU here): the experts' input and gates come out of the route's graph in
+    bf16 (their casts fused there), and with the aux loss made inside, the scores and logits stay in
+    (an output nobody reads would get a zero gradient made for it in backward)."""
+    from minagi.pool import PooledMLP
+    seen = []
+    experts_forward, route_and_plan = PooledMLP.experts_forward, PooledMLP._route_and_plan
+
+    def spy_experts(self, x_ND, ids, gates_NK, *a, **k):
+        seen.append((x_ND.dtype, gates_NK.dtype))
+        return experts_forward(self, x_ND, ids, gates_NK, *a, **k)
+
+    def spy_route(self, *a):
+        out = route_and_plan(self, *a)
+        seen.append(tuple(t is None for t in out[0][2:]))
+        return out
+    monkeypatch.setattr(PooledMLP, "experts_forward", spy_experts)
+    monkeypatch.setattr(PooledMLP, "_route_and_plan", spy_route)
+    torch._dynamo.reset()
+    losses(["pool.dispatch=grouped", "train.precision=bf16", "train.compile=rows"], "cpu", steps=1)
+    torch._dynamo.reset()
+    assert seen == [(True, True), (torch.bfloat16, torch.bfloat16)] * 2  # traced once a row, two rows
+    seen.clear()
+    losses(["pool.dispatch=grouped", "train.precision=bf16"], "cpu", steps=1)  # eager: cast by the experts
+    assert seen == [(torch.float32, torch.float32)] * 2
 
 
 def test_the_cudagraphs_backend_takes_every_region_and_computes_what_eager_does_on_the_cpu(monkeypatch):

@@ -2,6 +2,7 @@
 pre-pass of the balance term over the whole step, DDP's no_sync, fp16's loss scale and skipped steps.
 Tiny CPU models; each test takes about a second."""
 import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -192,3 +193,48 @@ def _keeping(build, seen: list):
         seen.append({k: v.clone() for k, v in model.state_dict().items()})
         return model
     return keeping
+
+
+def _fused(t):
+    """The training with torch's fused AdamW (what build_optimizer takes on CUDA; it runs on the CPU
+    too) over the same groups and schedule."""
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in t.optimizer.param_groups]
+    fused = torch.optim.AdamW(groups, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fused, t.scheduler.lr_lambdas[0])
+    return dataclasses.replace(t, optimizer=fused, scheduler=scheduler)
+
+
+@pytest.mark.parametrize("clip", [0.05, 100.0])  # clipping every step, and never
+def test_the_fused_update_clips_as_clip_grad_norm_does(monkeypatch, clip):
+    runs = {}
+    for folded in (True, False):
+        monkeypatch.setattr(step_module.optim, "clips_in_update", lambda o, folded=folded: folded)
+        cfg, t = _training(8, 1)
+        t = _fused(t)
+        seen = []  # the gradients the update is handed: unclipped where it clips them itself
+        t.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(
+            (torch.cat([p.grad.flatten() for p in t.params]).norm().item(), getattr(opt, "grad_scale", None))))
+        norms = []
+        for s in range(3):
+            x, y = get_batch(IDS, 8, 16, cfg.train.seed, s, 0, 1)
+            norms.append(train_step(t, x, y, step=s, grad_clip=clip, world_size=1, device=CPU).grad_norm)
+        assert not hasattr(t.optimizer, "grad_scale")  # set for the update only
+        runs[folded] = (t.model, norms, seen)
+    (folded_model, folded_norms, folded_seen), (plain_model, plain_norms, plain_seen) = runs[True], runs[False]
+    assert folded_norms == pytest.approx(plain_norms, rel=1e-5)
+    for (handed, divisor), norm in zip(folded_seen, folded_norms):
+        assert handed == pytest.approx(norm, rel=1e-5)  # not clipped before the update
+        assert divisor.item() == pytest.approx(max(1.0, norm / clip), rel=1e-5)
+    for (handed, divisor), norm in zip(plain_seen, plain_norms):
+        assert divisor is None and handed == pytest.approx(min(norm, clip), rel=1e-4)
+    for a, b in zip(folded_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_only_torchs_fused_adamw_clips_in_its_update():
+    from minagi import optim
+    _, t = _training(8, 1)
+    assert not optim.clips_in_update(t.optimizer)  # the CPU's AdamW is not fused
+    assert optim.clips_in_update(_fused(t).optimizer)
+    _, bf16 = _training(8, 1, "train.optimizer_states=bf16")
+    assert not optim.clips_in_update(bf16.optimizer)
