@@ -25,7 +25,7 @@ from .dense import DenseMLP
 from .devices import Compile
 from .dispatch import resolve_dispatch
 from .experts import StackServices, build_stack, stack_services
-from .mlp import BalanceArgs, MLPAux, device_compute_dtype
+from .mlp import BalanceArgs, MLPAux, compute_dtype, device_compute_dtype
 from .plan import gib
 from .pool import PooledMLP
 from .router import Router
@@ -75,9 +75,11 @@ class Attention(nn.Module):
 class Row(nn.Module):
     """Pre-norm causal self-attention, then an MLP: pooled experts, or the dense twin. `checkpointed`:
     recomputed in backward (row checkpointing, minagi/recompute.py). `compiled_regions`: the row's
-    attention half (norm, attention, residual, the MLP's norm) and a dense twin's MLP run through
-    torch.compile in training calls, the expert dispatch eager (train.compile = "rows"); its value says
-    how (train.compile_mode and train.compile_backend), None for no compiled regions."""
+    attention half (norm, attention, residual, the MLP's norm) run through torch.compile in training
+    calls, with a pool's router and dispatch plan in the same graph (where the pool allows it:
+    `PooledMLP.graph_route_args`) or a dense twin's MLP in a second; the expert dispatch eager
+    (train.compile = "rows"). Its value says how (train.compile_mode and train.compile_backend), None for
+    no compiled regions."""
 
     def __init__(self, cfg: ModelConfig, make_mlp: Callable[[], nn.Module], checkpointed: bool = False,
                  compiled_regions: Compile | None = None):
@@ -94,6 +96,10 @@ class Row(nn.Module):
         self._compiled_half = how(self._attention_half, dynamic=False) if how else None
         self._compiled_mlp = (how(self.mlp.forward, dynamic=False)  # the method: no module registered twice
                               if how and isinstance(self.mlp, DenseMLP) else None)
+        # A pool's route in the same graph as the attention half: one graph a row (forward and backward)
+        # where two were, and the MLP's input never copied into a second graph's inputs.
+        self._compiled_half_route = (how(self._attention_half_and_route, dynamic=False)
+                                     if how and isinstance(self.mlp, PooledMLP) else None)
 
     def forward(self, x_BTD: Tensor, dropless: bool = False, step_counts_E: Tensor | None = None
                 ) -> tuple[Tensor, MLPAux]:
@@ -105,13 +111,26 @@ class Row(nn.Module):
     def _forward(self, x_BTD: Tensor, dropless: bool, step_counts_E: Tensor | None = None) -> tuple[Tensor, MLPAux]:
         """rowmath's row on this row's weights (the decoder runs the same functions on its copies)."""
         compiled = self._compiled_half is not None and torch.is_grad_enabled()
-        x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
         if isinstance(self.mlp, DenseMLP):
+            x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
             mlp = self._compiled_mlp if compiled and self._compiled_mlp is not None else self.mlp
             y_ND, aux = mlp(mlp_in_ND, dropless=dropless)
+            return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+        balance = BalanceArgs(x_BTD.shape[0], step_counts_E)
+        B, T, _ = x_BTD.shape
+        args = self.mlp.graph_route_args(B * T, x_BTD.dtype, dropless, balance, compute_dtype(x_BTD)) if compiled else None
+        if args is None:
+            x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
+            y_ND, aux = self.mlp(mlp_in_ND, dropless=dropless, balance=balance)
         else:
-            y_ND, aux = self.mlp(mlp_in_ND, dropless=dropless, balance=BalanceArgs(x_BTD.shape[0], step_counts_E))
+            x_BTD, mlp_in_ND, routed = self._compiled_half_route(x_BTD, *args)
+            y_ND, aux = self.mlp(mlp_in_ND, dropless=dropless, balance=balance, routed=routed)
         return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+
+    def _attention_half_and_route(self, x_BTD: Tensor, *route_args) -> tuple[Tensor, Tensor, tuple]:
+        """The attention half, then the pool's route of its output (`PooledMLP.route_and_plan`)."""
+        x_BTD, mlp_in_ND = self._attention_half(x_BTD)
+        return x_BTD, mlp_in_ND, self.mlp.route_and_plan(mlp_in_ND, *route_args)
 
     def _attention_half(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
         """x + attention(norm(x)) [B, T, D], and the MLP's input norm(that) [N, D]."""
@@ -151,7 +170,7 @@ class CharLM(nn.Module):
                 return DenseMLP(cfg.d_model, dense_width or pool.dense_width)
             experts = build_stack(stacks, row, pool.n_experts, cfg.d_model, pool.d_expert)
             return PooledMLP(cfg.d_model, pool, path, experts, count_reducer, exchange,
-                             compiled_route=compiled_regions)
+                             route_in_graph=compiled_regions is not None)
         self.embed_drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.rows = nn.ModuleList(Row(cfg, lambda i=i: make_mlp(i), checkpoint_rows, compiled_regions)
                                   for i in range(cfg.n_rows))

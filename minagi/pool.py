@@ -26,7 +26,6 @@ from torch import Tensor
 from . import decode_step, recompute
 from .config import PoolConfig
 from .dense import DenseMLP
-from .devices import Compile
 from .dispatch import PADDED, RUNNERS, DispatchPlan, host_layout, make_plan
 from .experts import ExpertStack
 from .mlp import BalanceArgs, MLPAux, RouteCounts, compute_dtype
@@ -51,14 +50,16 @@ class PooledMLP(nn.Module):
     are one MLP of S times the expert width. Always trainable (never frozen, quantized or offloaded),
     never routed, dropped or counted; decayed by `train.weight_decay` as the dense weights are.
 
-    `compiled_route` (train.compile = "rows"): in training calls the router, its aux terms and the
-    dispatch plan, whose shapes never change, run through torch.compile as it says (train.compile_mode
-    and train.compile_backend; `_route`); the experts stay eager, their shapes following the routing.
+    `route_in_graph` (train.compile = "rows"): in training calls the router, its aux terms and the
+    dispatch plan, whose shapes never change, may run inside the caller's compiled graph: the row
+    compiles its attention half and `route_and_plan` as one (minagi/model.py `Row`), asks
+    `graph_route_args` whether this call may, and hands the graph's outputs to `forward` as `routed`.
+    The experts stay eager, their shapes following the routing.
     """
 
     def __init__(self, d_model: int, cfg: PoolConfig, path: str = "grouped", experts: nn.Module | None = None,
                  count_reducer: Callable[[Tensor], Tensor] | None = None, exchange=None,
-                 compiled_route: Compile | None = None):
+                 route_in_graph: bool = False):
         super().__init__()
         if path not in RUNNERS:
             raise ValueError(f"path must be one of {', '.join(RUNNERS)} (resolve 'auto' with "
@@ -71,7 +72,7 @@ class PooledMLP(nn.Module):
         self.router = router
         self.shared = self._shared_experts(d_model)
         self.reset_parameters()
-        self._compiled_route = compiled_route(self._route_and_plan, dynamic=False) if compiled_route else None
+        self.route_in_graph = route_in_graph
 
     def _shared_experts(self, d_model: int) -> DenseMLP | None:
         """The always-on experts as one SwiGLU of width shared_experts x d_expert; None without them
@@ -96,12 +97,15 @@ class PooledMLP(nn.Module):
         return math.ceil(self.cfg.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts)
 
     def forward(self, x_ND: Tensor, dropless: bool = False, in_place: bool = False,
-                balance: BalanceArgs = BalanceArgs()) -> tuple[Tensor, MLPAux]:
+                balance: BalanceArgs = BalanceArgs(), routed: tuple | None = None) -> tuple[Tensor, MLPAux]:
         """`dropless`: compute every routed row whatever the capacity (writing: a character's output
         must not depend on which others share the call). `in_place`: offloaded frozen stacks read the
         experts this call multiplies from their pinned homes instead of staging the row (writing).
-        `balance`: what the balance term's scope needs (`balance_term`)."""
-        routing, plan, aux, experts_in_ND = self._route(x_ND, dropless, balance)
+        `balance`: what the balance term's scope needs (`balance_term`). `routed`: what
+        `route_and_plan` returned for x with `graph_route_args`'s arguments (the caller's graph);
+        None: routed here, eagerly."""
+        routing, plan, aux, experts_in_ND = (self.router(x_ND), None, None, x_ND) if routed is None else \
+            self._unpack_route(routed, x_ND, dropless)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
@@ -113,34 +117,35 @@ class PooledMLP(nn.Module):
             aux = self.aux_loss(routing, balance, counts.load_E if self.exchange is None else None)
         return y_ND, MLPAux(aux, counts)
 
-    def _route(self, x_ND: Tensor, dropless: bool, balance: BalanceArgs
-               ) -> tuple[Routing, DispatchPlan | None, Tensor | None, Tensor]:
-        """(routing, its dispatch plan, the aux loss, the experts' input); plan and aux None where the
-        caller makes them. Compiled in training calls of a row that is not checkpointed (a replay must
-        take the forward's choice from the row's memo) and whose experts are all here; the aux loss
-        compiled with it when no count crosses ranks (DDP sums the balance counts: a collective stays out
-        of the graph). Compiled, the experts' input and the gates come out in the compute dtype (their
-        casts fused into the graph, forward and backward), and the scores and logits stay inside when
-        the aux loss does (an output nobody reads still gets a zero gradient made for it in backward)."""
-        compiled = (self._compiled_route is not None and torch.is_grad_enabled() and self.exchange is None
-                    and recompute.active_memo() is None)
-        if not compiled:
-            return self.router(x_ND), None, None, x_ND
-        with_aux = self.count_reducer is None
-        capacity = self.capacity(x_ND.shape[0], dropless)
-        dtype = compute_dtype(x_ND)
-        # Gates cast before a dropout would round twice: cast after it, eagerly, as without the compile.
+    def graph_route_args(self, n_chars: int, x_dtype: torch.dtype, dropless: bool, balance: BalanceArgs,
+                         compute: torch.dtype) -> tuple | None:
+        """The arguments of `route_and_plan` after x, for a call whose route runs in the caller's graph;
+        None where it must run eagerly: outside training calls, in a checkpointed row (a replay must take
+        the forward's choice from the row's memo), where experts sit on other ranks. The aux loss goes in
+        the graph when no count crosses ranks (DDP sums the balance counts: a collective stays out).
+        `compute`: the matmuls' dtype (the experts' input is cast to it in the graph)."""
+        if not (self.route_in_graph and torch.is_grad_enabled() and self.exchange is None
+                and recompute.active_memo() is None):
+            return None
+        # Gates cast before a dropout would round twice: cast after it, eagerly, as without the graph.
         cast_gates = not (self.training and self.cfg.expert_dropout > 0)
-        routing, plan, aux, experts_in_ND = self._compiled_route(
-            x_ND, capacity, balance if with_aux else None, dtype if dtype != x_ND.dtype else None, cast_gates)
+        return (self.capacity(n_chars, dropless), balance if self.count_reducer is None else None,
+                compute if compute != x_dtype else None, cast_gates)
+
+    def _unpack_route(self, routed: tuple, x_ND: Tensor, dropless: bool
+                      ) -> tuple[Routing, DispatchPlan, Tensor | None, Tensor]:
+        """(routing, its dispatch plan, the aux loss or None, the experts' input) from `route_and_plan`'s tuples."""
+        routing, plan, aux, experts_in_ND = routed
+        capacity = self.capacity(x_ND.shape[0], dropless)
         return (Routing(*routing), DispatchPlan.from_tensors(plan, capacity, x_ND.shape[0], self.cfg.top_k), aux,
                 x_ND if experts_in_ND is None else experts_in_ND)
 
-    def _route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None, dtype: torch.dtype | None,
-                        cast_gates: bool):
-        """What `_route` compiles, as tuples of tensors: (routing, the plan's tensors, aux or None, x in
-        `dtype` or None where it is x's own). With the aux loss made here the routing's scores and
-        logits are None (read by nobody after it); gates in `dtype` where `cast_gates`."""
+    def route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None, dtype: torch.dtype | None,
+                       cast_gates: bool):
+        """The route a caller's graph runs, as tuples of tensors: (routing, the plan's tensors, aux or
+        None, x in `dtype` or None where it is x's own). The casts are fused into the graph, forward and
+        backward; with the aux loss made here the routing's scores and logits are None (an output nobody
+        reads still gets a zero gradient made for it in backward); gates in `dtype` where `cast_gates`."""
         routing = self.router(x_ND)
         # Positions only where capacity marks drops: dropless slots come from runs (layout.layout_runs).
         plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in PADDED and capacity > 0)
