@@ -56,8 +56,9 @@ def build_optimizer(param_groups: list[dict], *, lr: float, betas: tuple[float, 
 def clips_in_update(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` can divide the gradients as its update reads them: torch's AdamW, fused
     (its `grad_scale`, which torch's GradScaler sets to unscale fp16 gradients, divides every gradient
-    inside the update's one pass). Clipping there saves a pass over every gradient (read and written:
-    8 bytes a weight) that clip_grad_norm_'s multiply makes."""
+    inside the update's one pass, which then writes each gradient back divided). Clipping there saves
+    clip_grad_norm_'s multiply: its launches, and 4 bytes a weight (the multiply read and wrote each
+    gradient; the update writes what it reads)."""
     return type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
 
 

@@ -151,14 +151,13 @@ def _add_counts(total: StepCounts | None, more: StepCounts | None) -> StepCounts
 def _grad_norm(training: Training, grad_clip: float) -> tuple[Tensor, Tensor | None]:
     """The step's gradient norm before clipping (fp16: of the unscaled gradients), and what the update
     divides the gradients by to clip them to `grad_clip` (None: clipped here already, or no clip).
-    torch's fused AdamW clips inside its update (`optim.clips_in_update`): one pass over the gradients
-    less. The divisor is clip_grad_norm_'s factor inverted: max(1, (norm + 1e-6) / grad_clip)."""
+    torch's fused AdamW clips inside its update (`optim.clips_in_update`): no multiply over the gradients. The divisor is clip_grad_norm_'s factor inverted: max(1, (norm + 1e-6) / grad_clip)."""
     if training.scaler is not None:
         training.scaler.unscale_(training.optimizer)
     if (grad_clip > 0 and training.scaler is None and not training.parallel.sharded
             and optim.clips_in_update(training.optimizer)):
         norm = training.parallel.clip_grads(training.params, 0.0)  # the norm alone
-        return norm, ((norm + 1e-6) / grad_clip).clamp(min=1.0)
+        return norm, ((norm.float() + 1e-6) / grad_clip).clamp(min=1.0)  # fp32: what the fused kernel takes
     return training.parallel.clip_grads(training.params, grad_clip), None  # the whole model's, however it is split
 
 

@@ -233,6 +233,21 @@ def test_the_compiled_route_hands_the_experts_their_inputs_cast_and_keeps_the_un
     torch._dynamo.reset()
     assert seen == [(True, True), (torch.bfloat16, torch.bfloat16)] * 2  # traced once a row, two rows
     seen.clear()
+    pool_forward = PooledMLP.forward
+    for sets, read in ((["pool.dispatch=grouped", "train.precision=bf16"], False), (["pool.dispatch=grouped"], True),
+                       (["pool.dispatch=grouped", "train.precision=bf16", "pool.shared_experts=1"], True)):
+        # The MLP's fp32 input keeps its gradient only where something reads it (the experts uncast, or
+        # a shared expert): else backward would make a zero gradient for it.
+        needs = []
+        monkeypatch.setattr(PooledMLP, "forward", lambda self, x, *a, needs=needs, **k: (
+            needs.append(x.requires_grad), pool_forward(self, x, *a, **k))[1])
+        torch._dynamo.reset()
+        losses(sets + ["train.compile=rows"], "cpu", steps=1)
+        assert needs == [read, read], sets
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    seen.clear()
+    monkeypatch.setattr(PooledMLP, "experts_forward", spy_experts)
     losses(["pool.dispatch=grouped", "train.precision=bf16"], "cpu", steps=1)  # eager: cast by the experts
     assert seen == [(torch.float32, torch.float32)] * 2
 
