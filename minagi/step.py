@@ -151,7 +151,8 @@ def _add_counts(total: StepCounts | None, more: StepCounts | None) -> StepCounts
 def _grad_norm(training: Training, grad_clip: float) -> tuple[Tensor, Tensor | None]:
     """The step's gradient norm before clipping (fp16: of the unscaled gradients), and what the update
     divides the gradients by to clip them to `grad_clip` (None: clipped here already, or no clip).
-    torch's fused AdamW clips inside its update (`optim.clips_in_update`): no multiply over the gradients. The divisor is clip_grad_norm_'s factor inverted: max(1, (norm + 1e-6) / grad_clip)."""
+    torch's fused AdamW clips inside its update (`optim.clips_in_update`): no multiply over the
+    gradients. The divisor is clip_grad_norm_'s factor inverted: max(1, (norm + 1e-6) / grad_clip)."""
     if training.scaler is not None:
         training.scaler.unscale_(training.optimizer)
     if (grad_clip > 0 and training.scaler is None and not training.parallel.sharded
