@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from minagi import dispatch
-from minagi.dispatch import GROUPED_MM, host_layout, make_plan, resolve_dispatch, run_padded
+from minagi.dispatch import GROUPED_MM, make_plan, resolve_dispatch, run_padded
 from minagi.layout import MAX_GROUPS, SHAPE_ROWS, Layout, layered_layout, round_capacity
-from minagi.pool import PooledMLP
 from minagi.swiglu import swiglu_eager
 from tiny import new_pool
 
