@@ -77,7 +77,7 @@ class Row(nn.Module):
     recomputed in backward (row checkpointing, minagi/recompute.py). `compiled_regions`: the row's
     attention half (norm, attention, residual, the MLP's norm) run through torch.compile in training
     calls, with a pool's router and dispatch plan in the same graph (where the pool allows it:
-    `PooledMLP.graph_route_args`) or a dense twin's MLP in a second; the expert dispatch eager
+    `PooledMLP.graph_route_args`), or a dense twin's MLP and residual (the whole row); the expert dispatch eager
     (train.compile = "rows"). Its value says how (train.compile_mode and train.compile_backend), None for
     no compiled regions."""
 
@@ -94,10 +94,9 @@ class Row(nn.Module):
         # Evaluation (no grad) keeps the eager functions: no second graph for another grad mode.
         how = compiled_regions
         self._compiled_half = how(self._attention_half, dynamic=False) if how else None
-        self._compiled_mlp = (how(self.mlp.forward, dynamic=False)  # the method: no module registered twice
-                              if how and isinstance(self.mlp, DenseMLP) else None)
-        # A pool's route in the same graph as the attention half: one graph a row (forward and backward)
-        # where two were, and the MLP's input never copied into a second graph's inputs.
+        # One graph a row (forward and backward) where there were two, and the MLP's input never copied
+        # into a second graph's inputs: a dense twin's whole row, or a pool's route with the attention half.
+        self._compiled_dense_row = how(self._dense_row, dynamic=False) if how and isinstance(self.mlp, DenseMLP) else None
         self._compiled_half_route = (how(self._attention_half_and_route, dynamic=False)
                                      if how and isinstance(self.mlp, PooledMLP) else None)
 
@@ -111,11 +110,8 @@ class Row(nn.Module):
     def _forward(self, x_BTD: Tensor, dropless: bool, step_counts_E: Tensor | None = None) -> tuple[Tensor, MLPAux]:
         """rowmath's row on this row's weights (the decoder runs the same functions on its copies)."""
         compiled = self._compiled_half is not None and torch.is_grad_enabled()
-        if isinstance(self.mlp, DenseMLP):
-            x_BTD, mlp_in_ND = (self._compiled_half if compiled else self._attention_half)(x_BTD)
-            mlp = self._compiled_mlp if compiled and self._compiled_mlp is not None else self.mlp
-            y_ND, aux = mlp(mlp_in_ND, dropless=dropless)
-            return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+        if isinstance(self.mlp, DenseMLP):  # drops nothing: `dropless` changes nothing
+            return (self._compiled_dense_row if compiled else self._dense_row)(x_BTD)
         balance = BalanceArgs(x_BTD.shape[0], step_counts_E)
         B, T, _ = x_BTD.shape
         args = self.mlp.graph_route_args(B * T, x_BTD.dtype, dropless, balance, compute_dtype(x_BTD)) if compiled else None
@@ -125,6 +121,12 @@ class Row(nn.Module):
         else:
             x_BTD, mlp_in_ND, routed = self._compiled_half_route(x_BTD, *args)
             y_ND, aux = self.mlp(mlp_in_ND, dropless=dropless, balance=balance, routed=routed)
+        return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
+
+    def _dense_row(self, x_BTD: Tensor) -> tuple[Tensor, MLPAux]:
+        """A dense twin's row: the attention half, the MLP, its residual."""
+        x_BTD, mlp_in_ND = self._attention_half(x_BTD)
+        y_ND, aux = self.mlp(mlp_in_ND)
         return rowmath.mlp_residual(x_BTD, y_ND, drop=self.resid_drop), aux
 
     def _attention_half_and_route(self, x_BTD: Tensor, *route_args) -> tuple[Tensor, Tensor, tuple]:
