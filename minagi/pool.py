@@ -104,8 +104,10 @@ class PooledMLP(nn.Module):
         `balance`: what the balance term's scope needs (`balance_term`). `routed`: what
         `route_and_plan` returned for x with `graph_route_args`'s arguments (the caller's graph);
         None: routed here, eagerly."""
-        routing, plan, aux, experts_in_ND = (self.router(x_ND), None, None, x_ND) if routed is None else \
-            self._unpack_route(routed, x_ND, dropless)
+        if routed is None:
+            routing, plan, aux, experts_in_ND = self.router(x_ND), None, None, x_ND
+        else:
+            routing, plan, aux, experts_in_ND = self._unpack_route(routed, x_ND, dropless)
         gates_NK = routing.gates_NK
         if self.training and self.cfg.expert_dropout > 0:  # (a checkpoint replay restores the RNG: same mask)
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
