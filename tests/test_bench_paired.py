@@ -63,3 +63,26 @@ def test_an_unknown_revision_is_one_line_and_exit_2(capsys):
     assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--variant", "@no-such-revision"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_paired: @no-such-revision: git archive failed") and err.count("\n") == 1
+
+
+def test_a_revision_unpacked_beforehand_trains_where_git_is_not(tmp_path, capsys, monkeypatch):
+    trees = tmp_path / "trees"
+    base = ["--device", "cpu", "--profile", "cpu_tiny", "--trees", str(trees)]
+    assert bench_paired.main(base + ["--unpack", "--variant", "@HEAD~0", "--variant", "pool.dispatch=loop"]) == 0
+    assert (trees / "minagi_HEAD_0" / "minagi_HEAD_0" / "trainer.py").exists()
+    said = capsys.readouterr().out
+    assert said.startswith("bench_paired: @HEAD~0 unpacked in ") and said.count("\n") == 1  # the @REV variants only
+    monkeypatch.setattr(bench_paired, "REPO", tmp_path / "no-repository")  # git archive would fail now
+    out = tmp_path / "paired.json"
+    args = base + ["--rounds", "1", "--block", "1", "--warmup", "1", "--json", str(out), "--variant", "",
+                   "--variant", "@HEAD~0 pool.dispatch=loop"]
+    assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
+    assert json.loads(out.read_text())["results"][1]["variant"] == "@HEAD~0 pool.dispatch=loop"
+    assert "minagi_HEAD_0.trainer" in sys.modules
+    assert bench_paired.main(base + ["--variant", "@HEAD~1"]) == 2  # not unpacked, and no git: one line
+    assert capsys.readouterr().err.startswith("bench_paired: @HEAD~1: git archive failed")
+
+
+def test_unpack_without_trees_is_one_line_and_exit_2(capsys):
+    assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--unpack", "--variant", "@HEAD"]) == 2
+    assert capsys.readouterr().err == "bench_paired: --unpack needs --trees DIR (where the revisions' code is kept)\n"

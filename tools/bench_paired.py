@@ -16,11 +16,14 @@ median over rounds of the first variant's block time over this one's (the paired
 
 A variant whose first word is `@REV` (a commit, tag or branch of this repository) trains with that
 revision's code: `git archive REV minagi profiles` is unpacked into a temporary folder with the package
-renamed `minagi_<rev>` (its custom ops too), so old and new code train in one process.
+renamed `minagi_<rev>` (its custom ops too), so old and new code train in one process. Where the
+repository's `.git` is not at hand (a GPU machine's copy of the tree), unpack beforehand and carry
+the folder: `--trees .bench_trees --unpack --variant "@3cccc1c"` here, then the same `--trees` there.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import re
@@ -47,10 +50,10 @@ class RevisionError(Exception):
     pass
 
 
-def revision_package(rev: str, into: Path):
-    """(load_config, build_training, train_step) of revision `rev`'s code, unpacked under `into` with its
-    package renamed minagi_<rev>."""
-    name = "minagi_" + re.sub(r"\W", "_", rev)
+def unpack_revision(rev: str, into: Path) -> Path:
+    """Revision `rev`'s code unpacked under `into` (once: a tree already there is used as it is), its
+    package renamed minagi_<rev>: the folder to put on sys.path."""
+    name = package_name(rev)
     tree = into / name
     if not tree.exists():
         tree.mkdir(parents=True)
@@ -64,7 +67,19 @@ def revision_package(rev: str, into: Path):
         for path in (tree / name).rglob("*.py"):
             path.write_text(re.sub(r"\bminagi\b", name, path.read_text()))
         shutil.copytree(tree / "profiles", tree / name / "profiles")  # found beside the package or in it
-        sys.path.insert(0, str(tree))
+    return tree
+
+
+def package_name(rev: str) -> str:
+    return "minagi_" + re.sub(r"\W", "_", rev)
+
+
+def revision_package(rev: str, into: Path):
+    """(load_config, build_training, train_step) of revision `rev`'s code (`unpack_revision`)."""
+    tree = str(unpack_revision(rev, into))
+    if tree not in sys.path:
+        sys.path.insert(0, tree)
+    name = package_name(rev)
     config, trainer = importlib.import_module(f"{name}.config"), importlib.import_module(f"{name}.trainer")
     return config.load_config, trainer.build_training, trainer.train_step
 
@@ -136,12 +151,25 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=5, help="steps of a variant in a row, each round")
     ap.add_argument("--warmup", type=int, default=10, help="steps of each variant before the rounds (compiles)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--trees", metavar="DIR",
+                    help="unpack the @REV variants' code here and keep it (a revision already there is used as it "
+                         "is: a copy of the repository without .git, such as a GPU machine's, trains what was "
+                         "unpacked beforehand); default: a temporary folder")
+    ap.add_argument("--unpack", action="store_true", help="only unpack the @REV variants into --trees, then stop")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.unpack and not args.trees:
+        print("bench_paired: --unpack needs --trees DIR (where the revisions' code is kept)", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
-    with tempfile.TemporaryDirectory(prefix="bench_paired_") as trees:
+    with contextlib.ExitStack() as stack:
+        trees = Path(args.trees) if args.trees else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_paired_")))
         try:
-            variants = [make_variant(v, args, device, Path(trees)) for v in args.variant]
+            if args.unpack:
+                for rev in [v.split()[0][1:] for v in args.variant if v.startswith("@")]:
+                    print(f"bench_paired: @{rev} unpacked in {unpack_revision(rev, trees)}")
+                return 0
+            variants = [make_variant(v, args, device, trees) for v in args.variant]
         except Exception as e:
             if not isinstance(e, (ConfigError, RevisionError)) and type(e).__name__ != "ConfigError":  # a revision's own
                 raise
