@@ -312,8 +312,8 @@ class TrainConfig(_Section):
     early_stop_evals: int = 0  # > 0: stop when this many evaluations in a row did not beat the best held-out loss
     seed: int = 1337
     # true: the whole training step through torch.compile (static shapes: the native grouped GEMM);
-    # "rows": each row's attention, norms and router (and the dense twin's MLP), the expert dispatch
-    # eager (the bucketed path, whose shapes change every step); false: eager.
+    # "rows": each row's attention, norms and router (a dense twin's whole row) as one graph, the expert
+    # dispatch eager (the bucketed path, whose shapes change every step); false: eager.
     compile: bool | Literal["rows"] = False
     # torch.compile's mode, for the whole step (true) and for the rows' compiled regions ("rows");
     # "reduce-overhead" replays the compiled graphs as CUDA graphs (GPU only): far fewer launches where

@@ -156,8 +156,8 @@ class CharLM(nn.Module):
     Built whole (`build_model` resolves the pieces for a device): `stacks`, the services each row's
     expert stack is built with (minagi/experts.py; trainable stacks without); `checkpoint_rows`, rows
     recomputed in backward; `count_reducer`, what sums the pools' balance counts over ranks (DDP);
-    `compiled_regions`, each row's attention half and router (or a dense twin's MLP) compiled so
-    (train.compile = "rows"; None: not compiled).
+    `compiled_regions`, each row's attention half with its router (or a dense twin's whole row) compiled
+    so, one graph a row (train.compile = "rows"; None: not compiled).
     `stager`: the offload stager the frozen stacks are staged by (None without offload). `exchange`:
     expert parallelism's (minagi/exchange.py; `stacks` then builds this rank's slices of the cards).
     """

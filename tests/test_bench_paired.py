@@ -3,6 +3,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import bench_paired  # noqa: E402
 
@@ -69,7 +71,7 @@ def test_a_revision_unpacked_beforehand_trains_where_git_is_not(tmp_path, capsys
     trees = tmp_path / "trees"
     base = ["--device", "cpu", "--profile", "cpu_tiny", "--trees", str(trees)]
     assert bench_paired.main(base + ["--unpack", "--variant", "@HEAD~0", "--variant", "pool.dispatch=loop"]) == 0
-    assert (trees / "minagi_HEAD_0" / "minagi_HEAD_0" / "trainer.py").exists()
+    assert (trees / "minagi_HEAD_x7e_0" / "minagi_HEAD_x7e_0" / "trainer.py").exists()
     said = capsys.readouterr().out
     assert said.startswith("bench_paired: @HEAD~0 unpacked in ") and said.count("\n") == 1  # the @REV variants only
     monkeypatch.setattr(bench_paired, "REPO", tmp_path / "no-repository")  # git archive would fail now
@@ -78,11 +80,39 @@ def test_a_revision_unpacked_beforehand_trains_where_git_is_not(tmp_path, capsys
                    "--variant", "@HEAD~0 pool.dispatch=loop"]
     assert bench_paired.main(args + [a for item in TINY for a in ("--set", item)]) == 0
     assert json.loads(out.read_text())["results"][1]["variant"] == "@HEAD~0 pool.dispatch=loop"
-    assert "minagi_HEAD_0.trainer" in sys.modules
+    assert "minagi_HEAD_x7e_0.trainer" in sys.modules
     assert bench_paired.main(base + ["--variant", "@HEAD~1"]) == 2  # not unpacked, and no git: one line
     assert capsys.readouterr().err.startswith("bench_paired: @HEAD~1: git archive failed")
+
+
+def test_every_revision_gets_a_package_of_its_own():
+    names = [bench_paired.package_name(rev) for rev in ("HEAD~1", "HEAD^1", "HEAD_1", "v1.0", "v1_0", "main/x")]
+    assert len(set(names)) == len(names) and all(n.isidentifier() for n in names)
+    assert bench_paired.package_name("3cccc1c") == "minagi_3cccc1c"
 
 
 def test_unpack_without_trees_is_one_line_and_exit_2(capsys):
     assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--unpack", "--variant", "@HEAD"]) == 2
     assert capsys.readouterr().err == "bench_paired: --unpack needs --trees DIR (where the revisions' code is kept)\n"
+
+
+def test_a_kept_tree_is_unpacked_again_when_its_revision_moved_and_never_left_half_made(tmp_path, monkeypatch, capsys):
+    import subprocess
+    head = subprocess.run(["git", "-C", str(bench_paired.REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    tree = bench_paired.unpack_revision("HEAD", tmp_path)
+    assert (tree / "COMMIT").read_text() == head
+    (tree / "COMMIT").write_text("an older commit")  # as if HEAD had moved since it was unpacked
+    assert (bench_paired.unpack_revision("HEAD", tmp_path) / "COMMIT").read_text() == head
+
+    def broken(rev, work, name):  # an unpack that stops half-way
+        (work / name).mkdir()
+        (work / name / "config.py").write_text("")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_paired, "_unpack_into", broken)
+    with pytest.raises(KeyboardInterrupt):
+        bench_paired.unpack_revision("HEAD~0", tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [tree.name]  # no tree, no leftovers
+    assert bench_paired.main(["--device", "cpu", "--profile", "cpu_tiny", "--trees", str(tmp_path), "--unpack",
+                              "--variant", "pool.dispatch=loop"]) == 2
+    assert capsys.readouterr().err == "bench_paired: --unpack: no variant names a revision (@REV)\n"

@@ -51,27 +51,61 @@ class RevisionError(Exception):
 
 
 def unpack_revision(rev: str, into: Path) -> Path:
-    """Revision `rev`'s code unpacked under `into` (once: a tree already there is used as it is), its
-    package renamed minagi_<rev>: the folder to put on sys.path."""
-    name = package_name(rev)
-    tree = into / name
+    """Revision `rev`'s code unpacked under `into`, its package renamed minagi_<rev>: the folder to put on
+    sys.path. A tree already there is used as it is where git cannot say which commit `rev` is now
+    (a copy without .git), and unpacked again where it can and the commit moved (a branch, HEAD~1).
+    Unpacked into a folder of its own and renamed into place once whole: an interrupted unpack leaves
+    no tree behind to be mistaken for a revision."""
+    tree = into / package_name(rev)
+    commit = _commit(rev)
+    if tree.exists() and commit is not None and _read(tree / "COMMIT") != commit:
+        shutil.rmtree(tree)
     if not tree.exists():
-        tree.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "minagi", "profiles"], capture_output=True)
-        if archive.returncode:
-            shutil.rmtree(tree)
-            reason = (archive.stderr.decode().strip().splitlines() or ["no reason given"])[-1]
-            raise RevisionError(f"@{rev}: git archive failed: {reason}")
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-        (tree / "minagi").rename(tree / name)
-        for path in (tree / name).rglob("*.py"):
-            path.write_text(re.sub(r"\bminagi\b", name, path.read_text()))
-        shutil.copytree(tree / "profiles", tree / name / "profiles")  # found beside the package or in it
+        into.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".unpacking_", dir=into))
+        try:
+            _unpack_into(rev, work, tree.name)
+            (work / "COMMIT").write_text(commit or "")
+            work.rename(tree)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return tree
 
 
+def _commit(rev: str) -> str | None:
+    """The commit `rev` names, where git and this repository's .git are at hand; else None."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                             capture_output=True, text=True)
+    except OSError:  # no git
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
+
+
+def _unpack_into(rev: str, work: Path, name: str) -> None:
+    """`git archive rev minagi profiles` into `work`, the package renamed `name` (its imports and custom ops too)."""
+    try:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "minagi", "profiles"], capture_output=True)
+    except OSError as e:
+        raise RevisionError(f"@{rev}: git archive failed: {e.strerror or e}") from None
+    if archive.returncode:
+        reason = (archive.stderr.decode().strip().splitlines() or ["no reason given"])[-1]
+        raise RevisionError(f"@{rev}: git archive failed: {reason}")
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    (work / "minagi").rename(work / name)
+    for path in (work / name).rglob("*.py"):
+        path.write_text(re.sub(r"\bminagi\b", name, path.read_text()))
+    shutil.copytree(work / "profiles", work / name / "profiles")  # found beside the package or in it
+
+
 def package_name(rev: str) -> str:
-    return "minagi_" + re.sub(r"\W", "_", rev)
+    """minagi_<rev> as an identifier, one for each revision: a character that is not a letter or digit
+    written as _xHH_ (HEAD~1 and HEAD^1 are different revisions, and a kept tree is reused by its name)."""
+    return "minagi_" + re.sub(r"[^A-Za-z0-9]", lambda m: "".join(f"_x{b:02x}_" for b in m.group().encode()), rev)
 
 
 def revision_package(rev: str, into: Path):
@@ -166,7 +200,11 @@ def main(argv=None) -> int:
         trees = Path(args.trees) if args.trees else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_paired_")))
         try:
             if args.unpack:
-                for rev in [v.split()[0][1:] for v in args.variant if v.startswith("@")]:
+                revs = [words[0][1:] for words in map(str.split, args.variant) if words and words[0].startswith("@")]
+                if not revs:
+                    print("bench_paired: --unpack: no variant names a revision (@REV)", file=sys.stderr)
+                    return 2
+                for rev in revs:
                     print(f"bench_paired: @{rev} unpacked in {unpack_revision(rev, trees)}")
                 return 0
             variants = [make_variant(v, args, device, trees) for v in args.variant]
