@@ -132,11 +132,7 @@ class Row(nn.Module):
     def _attention_half_and_route(self, x_BTD: Tensor, *route_args) -> tuple[Tensor, Tensor, tuple]:
         """The attention half, then the pool's route of its output (`PooledMLP.route_and_plan`)."""
         x_BTD, mlp_in_ND = self._attention_half(x_BTD)
-        routed = self.mlp.route_and_plan(mlp_in_ND, *route_args)
-        # Where the experts read the graph's cast copy and no shared expert reads it, the input is read
-        # for its shape alone: detached, so that backward makes no zero gradient for it.
-        if routed[3] is not None and self.mlp.shared is None:
-            mlp_in_ND = mlp_in_ND.detach()
+        routed, mlp_in_ND = self.mlp.route_and_plan(mlp_in_ND, *route_args)
         return x_BTD, mlp_in_ND, routed
 
     def _attention_half(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:

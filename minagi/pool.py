@@ -144,17 +144,20 @@ class PooledMLP(nn.Module):
 
     def route_and_plan(self, x_ND: Tensor, capacity: int, balance: BalanceArgs | None, dtype: torch.dtype | None,
                        cast_gates: bool):
-        """The route a caller's graph runs, as tuples of tensors: (routing, the plan's tensors, aux or
-        None, x in `dtype` or None where it is x's own). The casts are fused into the graph, forward and
-        backward; with the aux loss made here the routing's scores and logits are None (an output nobody
-        reads still gets a zero gradient made for it in backward); gates in `dtype` where `cast_gates`."""
+        """The route a caller's graph runs: (routed, x as the graph should hand it on). `routed`, what
+        `forward` takes, is tuples of tensors: (routing, the plan's tensors, aux or None, x in `dtype` or
+        None where it is x's own). The casts are fused into the graph, forward and backward; with the aux
+        loss made here the routing's scores and logits are None, and x goes on detached where only its
+        shape is read after the graph (the experts read the cast copy, no shared expert): an output
+        nobody reads still gets a zero gradient made for it in backward. Gates in `dtype` where `cast_gates`."""
         routing = self.router(x_ND)
         # Positions only where capacity marks drops: dropless slots come from runs (layout.layout_runs).
         plan = make_plan(routing.expert_ids_NK, self.cfg.n_experts, capacity, positions=self.path in PADDED and capacity > 0)
         aux = self.aux_loss(routing, balance) if balance is not None else None
         gates_NK = routing.gates_NK.to(dtype) if dtype is not None and cast_gates else routing.gates_NK
         kept = (routing.expert_ids_NK, gates_NK) + ((None, None) if aux is not None else tuple(routing[2:]))
-        return kept, plan.tensors(), aux, None if dtype is None else x_ND.to(dtype)
+        read_after = dtype is None or self.shared is not None
+        return (kept, plan.tensors(), aux, None if dtype is None else x_ND.to(dtype)), x_ND if read_after else x_ND.detach()
 
     def decoder(self, options: decode_step.StepOptions):
         """This pool's decode step and prefill form (minagi/decode_step.py `pooled_steps`)."""
