@@ -26,10 +26,11 @@ def test_the_plan_has_every_comparison_with_two_seeds_at_the_scale_asked(tmp_pat
     plan = json.loads((out / "plan.json").read_text())
     runs = {r["name"]: r for r in plan["runs"]}
     recipes = ["moe", "nobalance", "shared_nobalance", "shared", "sigmoid_auxfree",
-               *(["scope_batch", "scope_sequence"] if HAS_SCOPE else []),
+               *(["scope_batch", "scope_sequence", "accum_step", "accum_batch"] if HAS_SCOPE else []),
                "dense_half", "upcycled", "dense", "dense_wallclock"]
     assert list(runs) == [f"{r}-{s}" for s in (1337, 1338) for r in recipes]
-    assert plan["skipped_recipes"] == ([] if HAS_SCOPE else ["scope_batch", "scope_sequence"])
+    assert plan["skipped_recipes"] == ([] if HAS_SCOPE else ["scope_batch", "scope_sequence", "accum_step",
+                                                              "accum_batch"])
     step_chars = 64 * 512
     steps = {r: runs[f"{r}-1337"]["steps"] for r in recipes}
     assert steps["moe"] == steps["shared"] == steps["dense"] == 200
@@ -41,6 +42,11 @@ def test_the_plan_has_every_comparison_with_two_seeds_at_the_scale_asked(tmp_pat
     assert {"pool.shared_experts=1", "pool.top_k=3", "pool.balance_coef=0"} <= set(sets("shared_nobalance-1337"))
     assert {"pool.router_score=sigmoid", "pool.aux_free_bias=true", "pool.balance_coef=0"} <= set(
         sets("sigmoid_auxfree-1337"))
+    if HAS_SCOPE:  # the same 64 sequences a step as 4 micro-batches of 16, the term over the step or each
+        assert {"train.accum_steps=4", "train.batch_size=16", "pool.balance_scope=step"} <= set(sets("accum_step-1337"))
+        assert {"train.accum_steps=4", "train.batch_size=16", "pool.balance_scope=batch"} <= set(
+            sets("accum_batch-1338"))
+        assert steps["accum_step"] == steps["accum_batch"] == 200
     assert "model.mlp=dense" in sets("dense_wallclock-1337") and "train.steps=296" in sets("dense_wallclock-1337")
     assert runs["dense-1337"]["train"][2:4] == ["--profile", "h200_gutenberg_dense"]
     assert {"train.seed=1338", "train.compile=false", "train.eval_every=50", "train.warmup_steps=20"} <= set(
@@ -49,6 +55,21 @@ def test_the_plan_has_every_comparison_with_two_seeds_at_the_scale_asked(tmp_pat
     assert "--strip-gutenberg" in evaluate and evaluate[evaluate.index("--data") + 1].endswith(
         "gutenberg/pg11_alice_in_wonderland.txt")
     assert "moe-1337: 200 steps" in capsys.readouterr().out
+
+
+def test_the_accumulation_recipes_need_a_batch_that_splits_in_four(tmp_path):
+    """A step of 6 sequences cannot be 4 equal micro-batches: no accum_* runs are planned (and none asked for
+    by name exists); 2 x 16 sequences can, as 4 x 8."""
+    assert routing_study.main([str(tmp_path / "a"), "--steps", "8", "--dry-run", "--set", "train.batch_size=6"]) == 0
+    names = [r["name"] for r in json.loads((tmp_path / "a" / "plan.json").read_text())["runs"]]
+    assert names and not any(n.startswith("accum_") for n in names)
+    assert routing_study.main([str(tmp_path / "b"), "--steps", "8", "--dry-run", "--recipes", "accum_batch",
+                               "--set", "train.batch_size=16", "--set", "train.accum_steps=2"]) == 0
+    run, = json.loads((tmp_path / "b" / "plan.json").read_text())["runs"][:1]
+    assert run["name"] == "accum_batch-1337"
+    train = run["train"]  # the recipe's sets come after --set's, and win
+    assert train.index("train.accum_steps=4") > train.index("train.accum_steps=2")
+    assert train.index("train.batch_size=8") > train.index("train.batch_size=16")
 
 
 def test_unknown_recipes_and_profiles_without_whole_held_out_files_are_one_line_errors(tmp_path, capsys):

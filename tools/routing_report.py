@@ -28,11 +28,13 @@ COMPARISONS = [  # (file stem, title, recipes)
     ("sigmoid", "2. Sigmoid scores + aux-free bias (no balance term) against softmax + balance term",
      ["moe", "sigmoid_auxfree"]),
     ("scope", "3. Balance scope: today's (the default), batch, sequence", ["moe", "scope_batch", "scope_sequence"]),
+    ("scope_accum", "3b. Balance scope with accumulation (the step as 4 micro-batches): the step's counts against "
+     "each micro-batch's", ["moe", "accum_step", "accum_batch"]),
     ("upcycle", "4. Upcycled from the dense twin against from scratch, equal total characters (the twin's counted)",
      ["moe", "dense_half", "upcycled"]),
     ("dense", "5. Every recipe against the dense twin, at equal characters and at equal wall-clock",
      ["moe", "nobalance", "shared_nobalance", "shared", "sigmoid_auxfree", "scope_batch", "scope_sequence",
-      "upcycled", "dense", "dense_wallclock"]),
+      "accum_step", "accum_batch", "upcycled", "dense", "dense_wallclock"]),
 ]
 
 

@@ -12,6 +12,11 @@ Runs, each seed (`--seeds`, default 1337 1338), at `--steps` S (default: the pro
   sigmoid_auxfree   sigmoid scores + the aux-free bias, no balance term
   scope_batch       --set pool.balance_scope=batch     } only where the config has pool.balance_scope;
   scope_sequence    --set pool.balance_scope=sequence  } today's recipe is its default scope
+  accum_step        the same step as 4 micro-batches (train.accum_steps=4, a quarter of the batch each), the
+                    balance term over the whole step (the routing pre-pass's counts): today's term again
+  accum_batch       the same micro-batches, the term over each micro-batch (what a trainer without the
+                    pre-pass computes): the scope question of torchtitan #3864 and arXiv 2501.11873
+                    (both only where train.batch_size divides by 4)
   dense_half        the dense twin for round(S x --dense-fraction) steps, which ...
   upcycled          ... the MoE is upcycled from (--init its best.pt) and trains for the rest of S:
                     equal total characters with `moe`, counting the twin's
@@ -71,9 +76,15 @@ class Recipe:
     needs: str | None = None     # a [pool] key that must exist
 
 
-def recipes(top_k: int) -> list[Recipe]:
-    """The study's recipes for a profile of top_k routed experts."""
+MICRO_BATCHES = 4  # accum_step and accum_batch: the step as this many micro-batches
+
+
+def recipes(cfg: Config) -> list[Recipe]:
+    """The study's recipes for a profile (its top_k routed experts; its batch, split for accumulation)."""
+    top_k, batch = cfg.pool.top_k, cfg.train.batch_size * cfg.train.accum_steps
     shared = ("pool.shared_experts=1", f"pool.top_k={top_k - 1}")
+    accum = (f"train.accum_steps={MICRO_BATCHES}", f"train.batch_size={batch // MICRO_BATCHES}")
+    split = batch % MICRO_BATCHES == 0
     return [
         Recipe("moe", "today's recipe (softmax, balance term)"),
         Recipe("nobalance", "balance term off", ("pool.balance_coef=0",)),
@@ -83,6 +94,10 @@ def recipes(top_k: int) -> list[Recipe]:
                ("pool.router_score=sigmoid", "pool.aux_free_bias=true", "pool.balance_coef=0")),
         Recipe("scope_batch", "balance scope: batch", ("pool.balance_scope=batch",), needs="balance_scope"),
         Recipe("scope_sequence", "balance scope: sequence", ("pool.balance_scope=sequence",), needs="balance_scope"),
+        *([Recipe("accum_step", f"{MICRO_BATCHES} micro-batches, balance scope: step", (*accum, "pool.balance_scope=step"),
+                  needs="balance_scope"),
+           Recipe("accum_batch", f"{MICRO_BATCHES} micro-batches, balance scope: each micro-batch",
+                  (*accum, "pool.balance_scope=batch"), needs="balance_scope")] if split else []),
         Recipe("dense_half", "dense twin, the upcycling's first part", dense=True, steps="half"),
         Recipe("upcycled", "upcycled from dense_half, the rest of the characters", steps="rest", init="dense_half"),
         Recipe("dense", "dense twin, equal characters", dense=True),
@@ -168,10 +183,10 @@ def corpus(args, cfg: Config) -> str:
 def plan_runs(args, cfg: Config, ratio: float) -> list[dict]:
     """Every run of the study: name, recipe, seed, steps, its train.py and evaluate.py commands."""
     tc = cfg.train
-    chars_per_step = tc.batch_size * cfg.model.context
-    wanted = set(args.recipes or [r.key for r in recipes(cfg.pool.top_k)])
-    wanted |= {r.init for r in recipes(cfg.pool.top_k) if r.key in wanted and r.init}  # what they start from
-    chosen = [r for r in recipes(cfg.pool.top_k) if available(r) and r.key in wanted]
+    chars_per_step = tc.batch_size * tc.accum_steps * cfg.model.context  # a step: accum_steps micro-batches
+    wanted = set(args.recipes or [r.key for r in recipes(cfg)])
+    wanted |= {r.init for r in recipes(cfg) if r.key in wanted and r.init}  # what they start from
+    chosen = [r for r in recipes(cfg) if available(r) and r.key in wanted]
     files, strip = heldout_files(args, cfg)
     steps = args.steps or tc.steps
     runs = []
@@ -225,7 +240,7 @@ def speed_stage(args, out: Path, cfg: Config) -> float | None:
     char/s over the MoE's (None when the stage failed: the caller keeps --wallclock-ratio)."""
     folder = out / "speed"
     folder.mkdir(parents=True, exist_ok=True)
-    timed = [r for r in recipes(cfg.pool.top_k) if available(r) and r.steps == "full"
+    timed = [r for r in recipes(cfg) if available(r) and r.steps == "full"
              and (not args.recipes or r.key in args.recipes or r.key in ("moe", "dense"))]
     profiles = []
     for recipe in timed:
@@ -323,10 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         cfg = load_config(args.profile, args.sets)
-        unknown = sorted(set(args.recipes or ()) - {r.key for r in recipes(cfg.pool.top_k)})
+        unknown = sorted(set(args.recipes or ()) - {r.key for r in recipes(cfg)})
         if unknown:
             raise ConfigError(f"--recipes: no recipe {', '.join(unknown)} (the recipes: "
-                              f"{', '.join(r.key for r in recipes(cfg.pool.top_k))})")
+                              f"{', '.join(r.key for r in recipes(cfg))})")
         plan = plan_runs(args, cfg, args.wallclock_ratio)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         if measured is not None:
             ratio, source = measured, "speed stage"
     plan = plan_runs(args, cfg, ratio)
-    skipped = [r.key for r in recipes(cfg.pool.top_k) if not available(r)]
+    skipped = [r.key for r in recipes(cfg) if not available(r)]
     meta = {"profile": args.profile, "dense_profile": dense_profile(args), "steps": args.steps or cfg.train.steps,
             "seeds": args.seeds, "parallel": args.parallel, "compile": args.compile, "wallclock_ratio": ratio,
             "wallclock_ratio_source": source, "skipped_recipes": skipped, "runs": plan}
