@@ -22,6 +22,7 @@ Shape legend:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -74,12 +75,14 @@ def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype
     `auto` on CUDA takes torch's grouped GEMM where it is fast (bf16, the probe passed:
     `native_supported`), else minagi's Triton grouped GEMM where it runs (`triton_supported`), else
     the bucketed bmm path, saying in one warning each why neither grouped GEMM was taken; the CPU
-    takes the bucketed path. An explicit `native` that cannot run is an error.
+    takes the bucketed path. An explicit `native` is taken as asked, the probe not asked (forcing it is
+    how one runs a kernel the probe refused), and is an error only where torch has no grouped GEMM.
     `native` in another dtype than bf16 on CUDA, or under torch.compile, takes the bucketed path:
     the CUDA kernel and the meta kernel compile traces with are bf16-only (torch 2.13: fp32 fails to
     trace though it runs eagerly on the CPU). An explicit `triton` runs on any GPU with Triton (AMD
     too: asked for, never run here) where the probe passes it, in bf16 or fp16; elsewhere it takes
-    the bucketed path (the same function: a checkpoint trained with it loads anywhere).
+    the bucketed path (the same function: a checkpoint trained with it loads anywhere). Each of these
+    replacements is said once, in a warning.
     """
     device = torch.device(device)
     if choice == "auto":
@@ -98,10 +101,27 @@ def resolve_dispatch(choice: str, device: torch.device | str, dtype: torch.dtype
         raise ValueError(f"dispatch = 'native' needs torch.nn.functional.grouped_mm or torch._grouped_mm; "
                          f"torch {torch.__version__} has neither (use 'grouped')")
     if choice == "native" and dtype != torch.bfloat16 and (device.type == "cuda" or compiled):
-        return "grouped"
-    if choice == "triton" and not (_triton_runs(device, dtype) and probe.triton_grouped_mm_works(device, dtype)):
-        return "grouped"
+        return _instead(choice, f"torch's grouped GEMM {'compiles' if compiled else 'runs on CUDA'} in bf16 only, "
+                                f"not {str(dtype).removeprefix('torch.')}")
+    if choice == "triton" and not _triton_runs(device, dtype):
+        return _instead(choice, "minagi's Triton grouped GEMM needs a GPU, bf16 or fp16, and Triton: "
+                                f"{device.type}, {str(dtype).removeprefix('torch.')}, Triton "
+                                f"{'present' if _has_triton() else 'missing'}")
+    if choice == "triton" and not probe.triton_grouped_mm_works(device, dtype):
+        return "grouped"  # the probe said why, once
     return choice
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def _instead(choice: str, why: str) -> str:
+    """An explicit pool.dispatch this machine cannot run: the bucketed path (the same function), said once."""
+    if (choice, why) not in _SAID:
+        _SAID.add((choice, why))
+        warnings.warn(f"pool.dispatch = {choice!r}: {why}; the experts take the bucketed path (\"grouped\") "
+                      "instead, the same function", stacklevel=3)
+    return "grouped"
 
 
 @dataclass(frozen=True)
@@ -421,8 +441,8 @@ def run_padded(x_ND: Tensor, gates_NK: Tensor, gate_up: Weight, down: Weight, pl
     gradient (character 0's: no mask to make) and none goes back through them.
     """
     P, E = layout.padded_rows, len(layout.kept)
-    stats["padded_rows"], stats["groups"] = P, len(layout.groups) + (layout.card > 0)
-    if sum(layout.kept) == 0:  # every row dropped or no rows at all
+    stats["padded_rows"] = P
+    if sum(layout.kept) == 0:  # no rows at all (a capacity is at least 1: some row is always kept)
         return x_ND.new_zeros(x_ND.shape[0], x_ND.shape[-1])
     slot_flat, token_P, experts_G = _slots(plan, layout, x_ND.device)  # padding reads character 0
     dropped = plan.kept_R is not None

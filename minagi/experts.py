@@ -40,7 +40,7 @@ class ExpertStack(nn.Module):
     """Trainable SwiGLU experts held stacked: gate_up [E, D, 2F] (gate half, then up half), down [E, F, D]."""
 
     # What taking some experts out of the stack costs against multiplying the whole card, in padded
-    # rows an expert (the grouped path's layout weighs it: minagi/dispatch.py `layered_layout`).
+    # rows an expert (the grouped path's layout weighs it: minagi/layout.py `layered_layout`).
     gather_rows = GATHER_ROWS
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int):

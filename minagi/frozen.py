@@ -15,7 +15,7 @@ checkpointing: minagi/recompute.py `PinPolicy`), its dequant backend and its nam
 dequant is counted by phase (forward / replay / backward) in the stack's `DequantStats`.
 
 The pin's decision: on the paths that multiply a row's gate_up and down together (grouped, loop,
-rectangle: `group_bmm`), one decision for the row, taken on gate_up's whole stack; down keeps its
+rectangle: `mm.layered_bmm`, `group_bmm`), one decision for the row, taken on gate_up's whole stack; down keeps its
 replay's stack when gate_up did. On the native path (`grouped_mm`) each projection decides alone,
 on its own whole stack. The floor and the fit check always see whole stacks, so a stack does not
 pin one step and recompute the next because of its routing.

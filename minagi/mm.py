@@ -37,7 +37,7 @@ class RebuiltWeight(NamedTuple):
     """A stacked weight [E, I, O] made at each use and never kept (a frozen stack, dequantized)."""
     make: Callable[[Tensor | None, str], Tensor]  # (experts [S] or None = all, phase) -> [E or S, I, O]
     keep: Callable[[bool], bool]  # in a replay: keep what it made for the row's backward? (arg: the
-    #                               path multiplies gate_up and down of one row together: group_bmm)
+    #                               path multiplies gate_up and down of one row together: layered_bmm, group_bmm)
     slot: Hashable                # where the kept weight waits in the row's memo
     lora: tuple[Tensor, Tensor] | None = None  # A [E, I, r], B [E, r, O], in the compute dtype
     scale: float = 0.0            # the LoRA pair adds scale * x A B

@@ -94,7 +94,8 @@ class PooledMLP(nn.Module):
         """Rows kept per expert: ceil(c * fair share); 0 = uncapped (also whenever `dropless`)."""
         if dropless or self.cfg.capacity_factor == 0:
             return 0
-        return math.ceil(self.cfg.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts)
+        share = self.cfg.capacity_factor * n_chars * self.cfg.top_k / self.cfg.n_experts
+        return math.ceil(round(share, 9))  # 1.1 * 100 * 2 / 4 is 55.00000000000001 in floats: 55, not 56
 
     def forward(self, x_ND: Tensor, dropless: bool = False, in_place: bool = False,
                 balance: BalanceArgs = BalanceArgs(), routed: tuple | None = None) -> tuple[Tensor, MLPAux]:
@@ -113,7 +114,7 @@ class PooledMLP(nn.Module):
             gates_NK = F.dropout(gates_NK, self.cfg.expert_dropout)  # kept gates scaled by 1 / (1 - p)
         y_ND, counts = self.experts_forward(experts_in_ND, routing.expert_ids_NK, gates_NK, dropless=dropless,
                                             in_place=in_place, plan=plan)
-        if self.shared is not None:  # summed in x's dtype, as the routed output always was
+        if self.shared is not None:  # summed in x's dtype (the routed output is in the compute dtype)
             y_ND = y_ND.to(x_ND.dtype) + self.shared(x_ND)[0]
         if aux is None:  # the plan's counts are this rank's routed rows per expert: not counted again
             aux = self.aux_loss(routing, balance, counts.load_E if self.exchange is None else None)

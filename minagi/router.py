@@ -35,9 +35,10 @@ __all__ = ["Router", "Routing", "balance_loss", "balance_probs", "choose_experts
 
 class Routing(NamedTuple):
     expert_ids_NK: Tensor  # int64, distinct experts per character
-    gates_NK: Tensor       # fp32 weights of the chosen experts' outputs
+    gates_NK: Tensor       # fp32 weights of the chosen experts' outputs (the compute dtype after a
+    #                        compiled route, `PooledMLP.route_and_plan`)
     probs_NE: Tensor       # fp32, each row sums to 1 (unbiased): the softmax, or sigmoid scores normalised
-    logits_NE: Tensor      # fp32 router logits
+    logits_NE: Tensor      # fp32 router logits (probs and logits None after a route whose aux loss is made)
 
 
 class Router(nn.Module):

@@ -319,9 +319,21 @@ def test_dispatch_is_resolved_once_for_the_device_dtype_and_compile():
     assert resolve_dispatch("loop", "cpu", torch.float32) == "loop"
     if GROUPED_MM is not None:
         assert resolve_dispatch("native", "cpu", torch.float32) == "native"
-        assert resolve_dispatch("native", "cpu", torch.float32, compiled=True) == "grouped"
+        with pytest.warns(UserWarning, match=r"pool.dispatch = 'native': torch's grouped GEMM compiles in bf16 "
+                                             r"only, not float32; the experts take the bucketed path"):
+            assert resolve_dispatch("native", "cpu", torch.float32, compiled=True) == "grouped"
     with pytest.raises(ValueError, match="dispatch must be one of"):
         resolve_dispatch("fast", "cpu", torch.float32)
+
+
+def test_an_explicit_dispatch_this_machine_cannot_run_is_replaced_in_one_warning_said_once(monkeypatch):
+    """pool.dispatch = "triton" on the CPU trains on the bucketed path: said, not silent, and once per reason."""
+    monkeypatch.setattr(dispatch, "_SAID", set())
+    with pytest.warns(UserWarning) as said:
+        for _ in range(3):  # a model's rows each resolve their pool's dispatch
+            assert resolve_dispatch("triton", "cpu", torch.float32) == "grouped"
+    assert len(said) == 1 and str(said[0].message).startswith(
+        "pool.dispatch = 'triton': minagi's Triton grouped GEMM needs a GPU, bf16 or fp16, and Triton: cpu, float32")
 
 
 @pytest.mark.gpu

@@ -192,6 +192,7 @@ def test_capacity_is_the_factor_times_the_fair_share_rounded_up_by_hand():
     assert new_pool(D, F_, 8, 2, capacity_factor=1.0).capacity(257) == 65    # 257 * 2 / 8 = 64.25
     assert new_pool(D, F_, 8, 2, capacity_factor=1.25).capacity(257) == 81   # 80.3
     assert new_pool(D, F_, 8, 1, capacity_factor=1.0).capacity(256) == 32    # exact: not rounded up
+    assert new_pool(D, F_, 4, 2, capacity_factor=1.1).capacity(100) == 55    # exact, though 55.00000000000001 in floats
     assert new_pool(D, F_, 8, 2, capacity_factor=1.0).capacity(257, dropless=True) == 0
     assert new_pool(D, F_, 8, 2).capacity(257) == 0                          # factor 0: uncapped
 
