@@ -617,7 +617,17 @@ def config_from_dict(d: Mapping, source: str = "<dict>") -> Config:
     try:
         return _from_dict(d)
     except ConfigError as err:
-        raise ConfigError(f"{source}: {err}", err.key) from None
+        raise ConfigError(f"{source}: {err}{_default_hint(d, err.key, source)}", err.key) from None
+
+
+def _default_hint(d: Mapping, key: str | None, source: str) -> str:
+    """Where the key a rule failed on is not in the file, its value is the default: say so, or the
+    reader looks for a setting the file does not have."""
+    section, _, name = (key or "").partition(".")
+    table = d.get(section)
+    if not name or (isinstance(table, Mapping) and name in table):
+        return ""
+    return f" ({key} is the default: {source} does not set it)"
 
 
 # --- profiles ---------------------------------------------------------------------------------

@@ -230,7 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, devices.DeviceError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = evaluate(model, vocab, texts, context, stride, args.batch, device)
+    except KeyboardInterrupt:
+        print("\ninterrupted before scoring began", file=sys.stderr)
+        return 130
+    try:
+        report = evaluate(model, vocab, texts, context, stride, args.batch, device)
+    except KeyboardInterrupt:  # Ctrl-C: nothing is written before the end, so nothing is lost
+        print("\ninterrupted: nothing scored is kept (evaluate.py writes at the end)", file=sys.stderr)
+        return 130
     if not report["overall"]["scored"]:
         print(f"error: no character could be scored in {', '.join(texts)} (every piece between "
               "characters outside the vocabulary is shorter than 2)", file=sys.stderr)

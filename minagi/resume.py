@@ -31,6 +31,10 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> tuple[Confi
         if run_dir.is_dir() and {p.name for p in run_dir.iterdir() if ".tmp-" not in p.name} <= {"run.lock"}:
             raise ConfigError(f"--resume {run_dir}: no run.json there: the run stopped before it began, so "
                               f"there is nothing to resume; {_start_again(run_dir)}")
+        if not run_dir.exists():
+            raise ConfigError(f"--resume {run_dir}: no such folder")
+        if run_dir.is_file():
+            raise ConfigError(f"--resume {run_dir}: a file; --resume takes its run folder ({run_dir.parent})")
         raise ConfigError(f"--resume {run_dir}: no run.json there (not a run folder)")
     info = read_run_info(run_dir)
     cfg = config_from_dict(upgrade_config_dict(info["config"]), source=str(run_dir / "run.json"))

@@ -26,6 +26,7 @@ import torch
 from .atomic import atomic_write, stale_temp_files
 from . import __version__, watch
 from .checkpoint import Checkpoint, copy_checkpoint, save_checkpoint
+from .config import ConfigError
 
 __all__ = ["HISTORY_FIELDS", "History", "RunFolder", "RunFolderError", "git_commit", "read_history", "read_run_info",
            "write_run_info"]
@@ -109,8 +110,16 @@ def write_run_info(run_dir: Path, *, config: dict, profile: str, device: str, ar
 
 
 def read_run_info(run_dir: Path) -> dict:
-    with open(Path(run_dir) / "run.json", encoding="utf-8") as f:
-        return json.load(f)
+    """run.json as a dict; a file that is not one (damaged, edited) is a ConfigError naming it."""
+    path = Path(run_dir) / "run.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not a run record ({err})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+        raise ConfigError(f"{path}: not a run record (no \"config\" table)")
+    return info
 
 
 def _plain(value):
@@ -172,8 +181,11 @@ def read_history(path: Path) -> list[dict]:
     the newline that runs before the torn line was cut off added) is skipped; any other bad line is
     an error naming it. Torn: a record's beginning that does not end in "}", or whose JSON ends too
     soon (a record cut just after a nested object's closing brace ends in "}" too)."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a history (not UTF-8 text: byte {e.start})") from None
     records = []
     for i, line in enumerate(lines, 1):
         if not line:

@@ -168,6 +168,13 @@ def test_top_k_above_n_experts_is_impossible(tmp_path):
         f"{path}: pool.top_k = 9 is impossible: top_k must be <= n_experts (8)")
 
 
+def test_a_rule_broken_by_a_default_the_file_does_not_set_says_so(tmp_path):
+    path = write(tmp_path, "[train]\nsteps = 20\n")  # the default warm-up, 30 steps, is longer
+    assert error_of(load_config, str(path)) == (
+        f"{path}: train.warmup_steps = 30 is impossible: warmup_steps must be <= steps (20) "
+        f"(train.warmup_steps is the default: {path} does not set it)")
+
+
 def test_a_profile_under_the_working_directory_is_named_by_its_relative_path(tmp_path, monkeypatch):
     (tmp_path / "profiles").mkdir()
     write(tmp_path / "profiles", "[pool]\nn_expert = 4\n")

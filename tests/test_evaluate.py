@@ -221,3 +221,17 @@ def test_command_line_exit_status_2_for_a_missing_text(ckpt, tmp_path):
                            "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope.txt'}: no such file"]
+
+
+def test_ctrl_c_while_scoring_exits_130_with_one_line_and_writes_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    good = tmp_path / "good.txt"
+    good.write_text(tiny_text()[:100], encoding="utf-8")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(evaluate, "evaluate", interrupted)
+    out = tmp_path / "figures.json"
+    assert evaluate.main([str(ckpt), "--data", str(good), "--device", "cpu", "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted: nothing scored is kept (evaluate.py writes at the end)"
+    assert not out.exists()

@@ -206,6 +206,22 @@ def test_resume_refuses_any_change_but_train_steps(tmp_path, data_path):
         train(cfg, "tiny", done.run_dir, progress=False, log=lambda m: None)
 
 
+def test_a_resume_from_no_folder_a_checkpoint_file_or_a_damaged_run_json_is_one_line_naming_it(tmp_path, data_path):
+    done = run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
+    with pytest.raises(ConfigError, match=r"^--resume \S*nope: no such folder$"):
+        resume_config(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=r"^--resume \S*last\.pt: a file; --resume takes its run folder \("):
+        resume_config(done.run_dir / "last.pt")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(done.run_dir, damaged)
+    (damaged / "run.json").write_text("{bad")
+    with pytest.raises(ConfigError, match=r"damaged/run\.json: not a run record \(Expecting property name"):
+        resume_config(damaged)
+    (damaged / "run.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"damaged/run\.json: not a run record \(no \"config\" table\)$"):
+        resume_config(damaged)
+
+
 def test_a_fresh_run_refuses_to_overwrite_an_existing_run_folder(tmp_path, data_path):
     run_tiny(tmp_path, data_path, "train.steps=2", "train.warmup_steps=1")
     with pytest.raises(ConfigError, match="already holds a run; resume it with --resume"):

@@ -306,6 +306,13 @@ def test_a_record_torn_anywhere_is_skipped_and_a_broken_whole_line_is_an_error(t
         read_history(path)
 
 
+def test_a_history_that_is_not_utf8_text_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl: not a history \(not UTF-8 text: byte 3\)$"):
+        read_history(path)
+
+
 class _Killed(BaseException):
     """A kill, as far as this process's Python goes: no handler catches it, only `finally` blocks run."""
 
